@@ -154,36 +154,27 @@ PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the c
 PREFILL_VARIANTS = {name: {PREFILL_ENV: name}
                     for name in ("plain", "split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma",
                                  "grouped_conv", "grouped_out", "grouped_staged", "grouped_coalesced",
-                                 "grouped_f16", "chunked_fp32", "chunked_split")}
+                                 "grouped_f16", "chunked_fp32", "chunked_split", "chunked_split_f16")}
 # the token-by-token kernels for every step (issue #17: the accuracy reference of the chunked prefill; what
 # prefill costs at its accuracy)
 PREFILL_VARIANTS["recurrent"] = {KERNELS_ENV: "recurrent"}
 # timing only, its outputs wrong: grouped_staged with every mma of gdn_chunked.cu issued 3 times
 # (GDN_MMA_REPEAT): the least the tensor-core part of issue #17's fix (~3 mmas a product) costs
-MMA_REPEAT_VARIANTS = {"grouped_staged_mma_x3": 3}
 PREFILL_VARIANTS["grouped_staged_mma_x3"] = {PREFILL_ENV: "grouped_staged"}
+# timing only, its outputs wrong: chunked_split with every product as its hi * hi mma alone
+# (GDN_SPLIT_ONE_PART): what the split operands' extra mmas (and their splits) cost
+DIAGNOSTIC_BUILDS = {"grouped_staged_mma_x3": {"GDN_MMA_REPEAT": 3},
+                     "chunked_split_one_part": {"GDN_SPLIT_ONE_PART": 1}}
+PREFILL_VARIANTS["chunked_split_one_part"] = {PREFILL_ENV: "chunked_split"}
 
 
-@contextlib.contextmanager
-def repeated_mmas(times: int):
-    """Within: the qwen35 kernels compiled anew with ``-DGDN_MMA_REPEAT=times`` (gdn_chunked.cu issues
-    each mma ``times`` times); the caches are cleared on the way in and out, so nothing else sees them."""
+def compiled_with(**defines: int):
+    """Within: the qwen35 kernels built anew with the extra ``defines`` (a diagnostic build)."""
     from openinfer_qwen35 import cuda_ops
 
-    original = cuda_ops.kernel_include_options
+    return cuda_ops.defines_added(**defines)
 
-    def with_repeat(directory):
-        return (*original(directory), f"-DGDN_MMA_REPEAT={times}")
 
-    cuda_ops._module.cache_clear()
-    cuda_ops.kernel.cache_clear()
-    cuda_ops.kernel_include_options = with_repeat
-    try:
-        yield
-    finally:
-        cuda_ops.kernel_include_options = original
-        cuda_ops._module.cache_clear()
-        cuda_ops.kernel.cache_clear()
 SHORT_PROMPTS = (50, 500)  # --multi-turn-only: lone cold prompts (TTFT), a few blocks and a partial one
 # the switches of the warm turn's path, recorded with --multi-turn-only's results
 MULTI_TURN_SWITCHES = ("OPENINFER_QWEN35_SNAPSHOT_IN_STEP", "OPENINFER_QWEN35_PINNED_UPLOADS")
@@ -789,7 +780,7 @@ def prefill_kernel_timings(steps=GDN_PREFILL_STEPS, repeats: int = 5, variants=t
         for name in environment:
             os.environ.pop(name, None)
         os.environ.update(environment)
-        repeats_context = (repeated_mmas(MMA_REPEAT_VARIANTS[variant]) if variant in MMA_REPEAT_VARIANTS
+        repeats_context = (compiled_with(**DIAGNOSTIC_BUILDS[variant]) if variant in DIAGNOSTIC_BUILDS
                            else contextlib.nullcontext())
         with repeats_context:
             per_step = {}
@@ -996,6 +987,71 @@ def prepare_phase_cycles(prompts: int = 8, length: int = 1024, name: str = "gdn_
             "total_us_per_block": sum(per_block.values()) / clock_mhz}
 
 
+SPLIT_PHASES = {"gdn_chunk_prepare_split": ("raw q / k / v staged, gates", "cumulative decay", "l2 norms",
+                                            "scores (tensor cores), A and P stored", "T = (I + A)^-1",
+                                            "U (tensor cores) stored", "W (tensor cores) stored"),
+                "gdn_chunk_walk_split": ("state loaded, planes", "chunk operands staged (W / P fragments, q / k^T / U)",
+                                         "V' = U - W S and Q S (tensor cores)", "P V' (tensor cores), O stored",
+                                         "state update (tensor cores), planes", "state stored")}
+SPLIT_PHASES["gdn_chunk_walk_split_f16"] = SPLIT_PHASES["gdn_chunk_walk_split"]
+SPLIT_PHASE_WALKS = {"chunked_split": "gdn_chunk_walk_split", "chunked_split_f16": "gdn_chunk_walk_split_f16"}
+
+
+def split_phase_cycles(prompts: int = 8, length: int = 1024, walk_name: str = "gdn_chunk_walk_split") -> dict:
+    """Where a block of the split-operand chain (gdn_chunked_split.cu: its prepare and ``walk_name``) spends its time,
+    ``prompts`` x ``length`` fresh tokens at the 4B shape: both kernels built with GDN_PHASE_CLOCKS (lane 0 of
+    each block's last warp adds each phase's SM clock cycles to a device counter; a walk's phases summed over
+    its chunks), each launched once on random inputs after a warm launch; mean cycles a block per phase, and µs
+    at the device's clock rate, per kernel."""
+    import cupy
+    import numpy as np
+    from openinfer_qwen35 import cuda_ops
+    from openinfer_qwen35.gated_deltanet import chunk_layout
+
+    from openinfer.backend.cuda import kernel_include_options
+
+    layer = random_gdn_layer()
+    config, bf16, weights = layer.config, layer.bf16, layer.weights
+    nk, nv, dk, dv = config.linear_num_key_heads, layer.nv, layer.dk, layer.dv
+    module = cupy.RawModule(code=(cuda_ops.KERNEL_DIR / "gdn_chunked_split.cu").read_text(),
+                            options=("-std=c++17", *kernel_include_options(cuda_ops.KERNEL_DIR), f"-DDK={dk}",
+                                     f"-DSPLIT={cuda_ops.SPLIT}", "-DGDN_PHASE_CLOCKS"))
+    prepare_bytes, walk_bytes = cuda_ops.chunked_split_shared_bytes(dk, dv, walk_name)
+    prepare, walk = module.get_function("gdn_chunk_prepare_split"), module.get_function(walk_name)
+    prepare.max_dynamic_shared_size_bytes, walk.max_dynamic_shared_size_bytes = prepare_bytes, walk_bytes
+    tokens = prompts * length
+    starts, lengths, per_seq = (cupy.asarray(a.astype(np.int32)) for a in chunk_layout(np.arange(prompts + 1) * length))
+    num_chunks = len(starts)
+    conv_out, proj = bf16((tokens, config.conv_dim), 0.5), bf16((tokens, layer.features))
+    norms = cupy.empty((tokens, nk, 2), cupy.float32)
+    w32, u32 = cupy.empty((tokens, nv, dk), cupy.float32), cupy.empty((tokens, nv, dv), cupy.float32)
+    p32, cum32 = cupy.empty((num_chunks, nv, 64, 64), cupy.float32), cupy.empty((tokens, nv), cupy.float32)
+    slots, fresh = cupy.arange(prompts, dtype=cupy.int32), cupy.ones(prompts, dtype=cupy.int32)
+    ssm_state = cupy.zeros((prompts, nv, dk, dv), cupy.float32)
+    core = cupy.empty((tokens, nv * dv), cupy.uint16)
+    launches = {"gdn_chunk_prepare_split": (prepare, (num_chunks, nv), prepare_bytes,
+                                            (conv_out, proj, np.int32(proj.shape[1]), weights.neg_decay_rate,
+                                             weights.dt_bias, starts, lengths, norms, w32, u32, p32, cum32,
+                                             np.int32(nk), np.int32(nv), np.int32(dv))),
+                walk_name: (walk, (dv // cuda_ops.SPLIT_WALK_TILE, prompts, nv), walk_bytes,
+                                         (conv_out, norms, w32, u32, p32, cum32, starts, lengths, per_seq, slots,
+                                          fresh, ssm_state, core, np.int32(nk), np.int32(nv), np.int32(dv)))}
+    counters = cupy.ndarray((16,), cupy.uint64, module.get_global("gdn_split_phase_cycles"))
+    clock_mhz = cupy.cuda.Device().attributes["ClockRate"] / 1000
+    results = {}
+    for name, (function, grid, shared, args) in launches.items():
+        function(grid, (cuda_ops.SPLIT_THREADS,), args, shared_mem=shared)  # warm
+        counters[...] = 0
+        function(grid, (cuda_ops.SPLIT_THREADS,), args, shared_mem=shared)
+        cupy.cuda.runtime.deviceSynchronize()
+        cycles = cupy.asnumpy(counters).astype(float)
+        per_block = {phase: cycles[k + 1] / cycles[0] for k, phase in enumerate(SPLIT_PHASES[name])}
+        results[name] = {"step": f"{prompts}x{length}", "blocks": int(cycles[0]), "clock_mhz": clock_mhz,
+                         "cycles_per_block": per_block, "us_per_block": {k: v / clock_mhz for k, v in per_block.items()},
+                         "total_us_per_block": sum(per_block.values()) / clock_mhz}
+    return results
+
+
 def parse_prefill_step(text: str) -> tuple[int, int, int]:
     """``PxL`` or ``PxL+D`` (P prompts of L tokens, D decode rows) as GDN_PREFILL_STEPS' (P, L, D)."""
     try:
@@ -1024,6 +1080,16 @@ def run_gdn_prefill_only(args: argparse.Namespace) -> dict:
         for v, steps in results["prefill_kernels"].items()}
     print(json.dumps(results["total_speedup"]), flush=True)
     write_results(results, "gpu_qwen35_gdn_prefill", plot_gdn_prefill)
+    for variant in variants:
+        if variant not in SPLIT_PHASE_WALKS:
+            continue
+        for prompts, length in ((8, 1024), (1, 1024)):
+            phases = split_phase_cycles(prompts, length, SPLIT_PHASE_WALKS[variant])
+            results.setdefault("split_phases", {}).setdefault(variant, {})[f"{prompts}x{length}"] = phases
+            print(f"split phases {variant} {prompts}x{length}: {json.dumps(phases)}", flush=True)
+        write_results(results, "gpu_qwen35_gdn_prefill", plot_gdn_prefill)
+    if args.skip_prepare_phases:
+        return results
     results["prepare_phases"] = {}
     for name in PREPARE_PHASES:
         results["prepare_phases"][name] = prepare_phase_cycles(name=name)
@@ -1260,6 +1326,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-variants", default="registers,grouped_mma,grouped_staged,grouped_coalesced",
                         help="--gdn-prefill-only: comma list of OPENINFER_QWEN35_GDN_PREFILL choices (the first is the "
                              f"baseline; of {', '.join(PREFILL_VARIANTS)})")
+    parser.add_argument("--skip-prepare-phases", action="store_true",
+                        help="--gdn-prefill-only: without the default chain's prepare phase clocks")
     parser.add_argument("--prefill-steps", default=",".join(f"{p}x{n}" + (f"+{d}" if d else "")
                                                          for p, n, d in GDN_PREFILL_STEPS),
                         help="--gdn-prefill-only: comma list of steps PxL[+D] (P prompts of L tokens, D decode rows)")

@@ -12,8 +12,9 @@ model in ``/v1/models``, polled every 20 ms), every process's start-up phases (`
 spawn and imports, model load, KV, kernel compile, graph capture, prefill warm-up, API server
 imports), then the first request's TTFT and the next ones' (fresh ``--prompt-len``-token prompts,
 one output token, non-streaming: its latency is its TTFT plus one HTTP round trip), so a start made
-shorter by building kernels later shows up as a slower first request. Results: ``TAG.json`` in
-``--results-dir`` (and ``$OUT`` when set); a summary table at the end.
+shorter by building kernels later shows up as a slower first request. ``{kind}`` in a switch's value
+becomes ``cold`` / ``warm`` (e.g. ``OPENINFER_STACK_SAMPLES=/tmp/stacks-{kind}.json``: a file per start).
+Results: ``TAG.json`` in ``--results-dir`` (and ``$OUT`` when set); a summary table at the end.
 
     python benchmarks/gpu_served_start.py --variant base:OPENINFER_COMPILE_ORDER=discovery \\
         --variant new:OPENINFER_ONE_COMPILE_WAVE=1,OPENINFER_COMPILE_THREADS=16
@@ -115,7 +116,7 @@ def greedy_check(port: int, model: str, max_tokens: int = 16) -> str:
     return json.loads(body)["choices"][0]["text"]
 
 
-def one_start(args: argparse.Namespace, env: dict[str, str], cache_dir: str, seed: int) -> dict:
+def one_start(args: argparse.Namespace, env: dict[str, str], cache_dir: str, seed: int, kind: str = "cold") -> dict:
     port = free_port()
     run_dir = Path(tempfile.mkdtemp(prefix="openinfer-served-start-"))
     report_path = run_dir / "startup.json"
@@ -127,8 +128,9 @@ def one_start(args: argparse.Namespace, env: dict[str, str], cache_dir: str, see
     log_path = run_dir / "server.log"
     with open(log_path, "w") as log:
         began = time.perf_counter()
+        switches = {key: value.replace("{kind}", kind) for key, value in env.items()}  # e.g. a path per start
         process = subprocess.Popen(command, start_new_session=True, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **env, "CUPY_CACHE_DIR": cache_dir})
+                                   env={**os.environ, **switches, "CUPY_CACHE_DIR": cache_dir})
         try:
             ready_s, model = wait_ready(port, process, began, args.start_timeout)
             for _ in range(100):  # the supervisor writes it within a poll interval of HTTP ready
@@ -196,7 +198,7 @@ def main() -> None:
             runs = {"env": env}
             for kind in ("cold",) if args.only_cold else ("cold", "warm"):
                 try:
-                    runs[kind] = one_start(args, env, cache_dir, seed=10 * seed + (kind == "warm"))
+                    runs[kind] = one_start(args, env, cache_dir, seed=10 * seed + (kind == "warm"), kind=kind)
                 except Exception as exc:  # noqa: BLE001 — one failed variant must not lose the others
                     runs[kind] = {"error": repr(exc)}
                 run = runs[kind]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import sys
@@ -96,6 +95,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         finally:
             await engine.close()
         return ids, reason
+
+    import asyncio
 
     ids, reason = asyncio.run(run())
     text = tokenizer.decode(ids) if tokenizer is not None else None

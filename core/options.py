@@ -7,6 +7,11 @@ from typing import Any
 
 from openinfer.errors import InvalidRequestError
 
+# the scheduler's policies (``openinfer.sched.scheduler.POLICIES``), named here too so that `openinfer
+# serve`'s flags need not import the scheduler (NumPy, the KV manager, grammars: ~0.3 s of the supervisor's
+# start, before it spawns the engine core)
+SCHEDULER_POLICIES = ("mixed", "split", "prefill_first")
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -40,7 +45,7 @@ class EngineOptions:
     # under expert parallel: each rank attends for its own sequences and caches only their KV
     # (MLA's latent cache is then split across ranks, not copied to every one)
     attention_data_parallel: bool = False
-    # how a step mixes decodes and prompt chunks: one of openinfer.sched.scheduler.POLICIES
+    # how a step mixes decodes and prompt chunks: one of SCHEDULER_POLICIES
     scheduler_policy: str = "mixed"
     load_format: str = "auto"  # "auto": the checkpoint; "dummy": random tensors at the real shapes
 

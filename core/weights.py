@@ -9,6 +9,7 @@ from mmap'd files; bf16 tensors come back as raw ``uint16`` (``raw``) or widened
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -56,6 +57,24 @@ def float32_to_bf16(values: np.ndarray) -> np.ndarray:
     bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
     rounding = ((bits >> 16) & 1) + 0x7FFF
     return ((bits + rounding) >> 16).astype(np.uint16)
+
+
+def mapped_file_region(host: np.ndarray) -> tuple[str, int] | None:
+    """``(path, byte offset)`` of a C-contiguous array whose bytes are a plain view of a
+    read-only ``np.memmap`` of a whole file (what ``Checkpoint.raw`` returns), else None."""
+    if not host.flags.c_contiguous:
+        return None
+    root = host
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if not isinstance(root, np.memmap) or not isinstance(root.base, mmap.mmap) or not root.filename:
+        return None
+    if root.flags.writeable:  # a writable map may hold bytes the file does not have yet
+        return None
+    start = host.ctypes.data - root.ctypes.data
+    if start < 0 or start + host.nbytes > root.nbytes:
+        return None
+    return str(root.filename), int(root.offset) + start
 
 
 _STORED_TAGS = {np.dtype(np.float32): "F32", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64",

@@ -21,7 +21,13 @@ from pathlib import Path
 
 from openinfer.engine import EngineHandle
 from openinfer.engine_core.stack_sampler import STACK_SAMPLES_ENV, StackSampler
-from openinfer.engine_core.startup import API_STARTUP_FILE, StartupPhases, memory_breakdown
+from openinfer.engine_core.startup import (
+    API_STARTUP_FILE,
+    StartupPhases,
+    memory_breakdown,
+    note_event,
+    startup_events,
+)
 from openinfer.frontend.serve import exit_status_of
 
 logger = logging.getLogger("openinfer.api_server")
@@ -58,20 +64,24 @@ async def serve_api(args: argparse.Namespace, listen_fd: int, run_dir: str, inde
     if serves_grpc:  # only the first API server answers gRPC: the others never import it
         from openinfer.frontend.grpc import start_grpc_server
     phases.mark("imports")
+    note_event("imports_done")
     sock = socket.socket(fileno=listen_fd)
     api_key = resolve_api_key(args)  # the supervisor passes it in the environment, not argv
     # the tokenizer loads while the engine core loads the model (the core names the same
     # directory unless a plugin says otherwise; then it is loaded again below)
     guessed = args.tokenizer or (args.model_path if not args.engine else None)
-    preloading = asyncio.create_task(asyncio.to_thread(Tokenizer.from_dir, guessed)) if guessed else None
+    preloading = asyncio.create_task(asyncio.to_thread(_timed_load, Tokenizer.from_dir, guessed)) if guessed else None
     engine = await _connect(args, run_dir, api_key)
     phases.mark("wait_for_engine")
+    note_event("engine_connected")
     model_path = Path(args.model_path) if args.model_path else None
     grpc_server = None
     try:
         tokenizer = await _preloaded_tokenizer(args, engine, model_path, guessed, preloading)
+        note_event("tokenizer_ready")
         name = _served_name(args, engine, model_path)
         app = build_app(args, engine, tokenizer, name, api_key, processes=ProcessTable(run_dir))
+        note_event("app_built")
         phases.mark("tokenizer_and_app")
         # one gRPC listener per host: the first API server answers gRPC (no SO_REUSEPORT, so a second
         # process could not share the port; a port in use is a start-up error, exit 3)
@@ -100,6 +110,13 @@ async def serve_api(args: argparse.Namespace, listen_fd: int, run_dir: str, inde
     return 0
 
 
+def _timed_load(load, directory: str):
+    """``load(directory)``, noting when it is done (a start-up event)."""
+    tokenizer = load(directory)
+    note_event("tokenizer_preloaded")
+    return tokenizer
+
+
 async def _preloaded_tokenizer(args: argparse.Namespace, engine: EngineHandle, model_path: Path | None,
                                guessed: str | None, preloading: asyncio.Task | None):
     """The tokenizer of the directory the engine names: the one loaded meanwhile when it is that."""
@@ -123,7 +140,8 @@ async def _report_startup(server, phases: StartupPhases, run_dir: str, index: in
     phases.mark("http_listening")
     path = Path(run_dir) / API_STARTUP_FILE.format(role=f"api-server-{index}")
     temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps({"phases": phases.as_dict(), "memory": memory_breakdown()}))
+    temporary.write_text(json.dumps({"phases": phases.as_dict(), "memory": memory_breakdown(),
+                                     "events": startup_events(phases.started)}))
     temporary.replace(path)
 
 

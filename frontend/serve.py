@@ -12,7 +12,6 @@ for ``--shutdown-timeout`` seconds (then they are cancelled and aborted), close 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import ipaddress
 import logging
@@ -24,14 +23,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from openinfer.cli_types import INT32_MAX, UINT64_MAX, float_range, int_range, non_empty, port
-from openinfer.engine import EngineHandle
 from openinfer.errors import OpenInferError, PortInUseError
+from openinfer.options import SCHEDULER_POLICIES
 
 if TYPE_CHECKING:
+    from openinfer.engine import EngineHandle
     from openinfer.tokenizer import Tokenizer
 
-# Nothing here imports uvicorn, FastAPI or the tokenizer at module level: `openinfer serve` runs
-# this module in the supervisor, which needs none of them (start-up time and idle memory).
+# Nothing here imports uvicorn, FastAPI, the tokenizer, asyncio or the engine at module level: `openinfer
+# serve` runs this module in the supervisor, which needs none of them (start-up time and idle memory).
 
 logger = logging.getLogger("openinfer.serve")
 API_KEY_ENV = "OPENINFER_API_KEY"
@@ -138,8 +138,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--enable-attention-data-parallel", dest="attention_data_parallel", action="store_const",
                         const=True, help="with --expert-parallel-size >= 2: each rank attends for its own "
                                          "sequences and caches only their KV (not with tensor parallel)")
-    from openinfer.sched.scheduler import POLICIES as SCHEDULER_POLICIES
-
     engine.add_argument("--scheduler-policy", choices=list(SCHEDULER_POLICIES),
                         help="mixed: decodes ride along with prompt chunks (default); split: alternate "
                              "decode-only and prompt-only steps; prefill_first: prompt steps while any can run")
@@ -268,6 +266,8 @@ def warn_ignored_engine_options(args: argparse.Namespace) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    import asyncio
+
     from openinfer.frontend.grpc import GrpcEngineClient, start_grpc_server
 
     model_path: Path | None = None
@@ -339,6 +339,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         warn_if_exposed(args, api_key)
         return Supervisor(args, options, api_key).run()
+    import asyncio  # here: the supervisor (above) never needs an event loop
+
     try:
         return exit_status_of(lambda: asyncio.run(serve(args)), logger)
     except OSError as exc:  # e.g. a port already in use

@@ -35,7 +35,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from openinfer.engine_core.startup import API_STARTUP_FILE, SPAWN_TIME_ENV, StartupPhases
+from openinfer.engine_core.startup import (
+    API_STARTUP_FILE,
+    SPAWN_TIME_ENV,
+    StartupPhases,
+    note_event,
+    startup_events,
+)
 from openinfer.frontend.serve import STARTUP_FAILURE
 
 logger = logging.getLogger("openinfer.supervisor")
@@ -100,6 +106,7 @@ class Supervisor:
             command += ["--engine-factory", self.args.engine_factory]
         env = {**os.environ, SPAWN_TIME_ENV: repr(time.time())}
         self.core.process = subprocess.Popen(command, pass_fds=(write_fd,), start_new_session=True, env=env)
+        note_event("core_spawned")
         os.close(write_fd)
         self.core.ready_fd = read_fd
         self._write_table()
@@ -207,7 +214,7 @@ class Supervisor:
             if not report.get("ok"):
                 logger.error("the engine could not start: %s", report.get("error"))
                 return int(report.get("exit_code", 1))
-            self.startup["engine-core"] = {k: report[k] for k in ("phases", "memory") if k in report}
+            self.startup["engine-core"] = {k: report[k] for k in ("phases", "memory", "events") if k in report}
         while not self.stopping:
             time.sleep(POLL_S)
             if not self._watch():
@@ -236,7 +243,9 @@ class Supervisor:
         if self.core is not None and "engine-core" not in self.startup:
             return
         self.phases.mark("until_http_ready")
-        report, self.startup = {"supervisor": {"phases": self.phases.as_dict()}, **self.startup}, None
+        report = {"supervisor": {"phases": self.phases.as_dict(), "events": startup_events(self.phases.started)},
+                  **self.startup}
+        self.startup = None
         logger.info("ready %.2f s after start: %s", self.phases.total, json.dumps(report))
         path = getattr(self.args, "startup_report", None)
         if path:

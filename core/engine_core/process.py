@@ -55,7 +55,9 @@ from openinfer.engine_core.startup import (
     early_cuda_wanted,
     freeze_startup_heap,
     memory_breakdown,
+    note_event,
     start_cuda_early,
+    startup_events,
 )
 from openinfer.engine_core.step_log import STEP_LOG_ENV, StepLog
 from openinfer.errors import EngineDeadError, InvalidRequestError, OpenInferError, QueueFullError
@@ -301,6 +303,7 @@ def _report(fd: int | None, payload: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     phases = StartupPhases()
     phases.mark("spawn_and_imports")  # interpreter start, openinfer, ZMQ, msgspec
+    note_event("imports_done")
     parser = argparse.ArgumentParser(prog="python -m openinfer.engine_core", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--model-path", default="")
@@ -314,10 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stack_samples_path = os.environ.get(STACK_SAMPLES_ENV)  # sampled from here: the start-up included
+    sampler = StackSampler().start() if stack_samples_path else None
     try:
         options = json.loads(args.options_json)
         if early_cuda_wanted(options):
             start_cuda_early()
+        note_event("engine_build_started")
         engine = build_engine(args.model_path, options, args.engine_factory)
     except OpenInferError as exc:
         logger.error("%s", exc)
@@ -335,14 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     memory = memory_breakdown()
     step_log_path = os.environ.get(STEP_LOG_ENV)
     step_log = StepLog.attach(engine) if step_log_path else None
-    stack_samples_path = os.environ.get(STACK_SAMPLES_ENV)
-    sampler = StackSampler().start() if stack_samples_path else None
     transport = CoreTransport(engine, args.run_dir)
     engine.attach_transport(transport, transport.deliver)
     phases.mark("transport")
     frozen = freeze_startup_heap()
     phases.mark("gc_freeze")
-    _report(args.ready_fd, {"ok": True, "pid": os.getpid(), "phases": phases.as_dict(), "memory": memory})
+    note_event("ready")
+    _report(args.ready_fd, {"ok": True, "pid": os.getpid(), "phases": phases.as_dict(), "memory": memory,
+                            "events": startup_events(phases.started)})
     logger.info("engine core serving (pid %d); start-up %s; host memory %s; %d start-up objects frozen for the GC",
                 os.getpid(), json.dumps(phases.as_dict()), json.dumps(memory), frozen)
     code = 0

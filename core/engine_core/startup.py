@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from openinfer.errors import OpenInferError
+
 SPAWN_TIME_ENV = "OPENINFER_SPAWN_TIME"
 API_STARTUP_FILE = "startup-{role}.json"  # in the run directory: an API server's phases once it listens
 
@@ -80,6 +82,25 @@ class StartupPhases:
         return {**{k: round(v, 4) for k, v in self.phases.items()}, "total": round(self.total, 4)}
 
 
+# wall-clock times of start-up events (``note_event``), for a timeline across threads and processes
+_events: dict[str, float] = {}
+
+
+def note_event(name: str, last: bool = False) -> None:
+    """Record when start-up event ``name`` happened (wall clock): its first occurrence, or with
+    ``last`` its latest. Any thread; costs a dict write."""
+    if last:
+        _events[name] = time.time()
+    else:
+        _events.setdefault(name, time.time())
+
+
+def startup_events(since: float) -> dict[str, float]:
+    """Every noted event as seconds after ``since`` (a process's ``StartupPhases.started``), in
+    the order they happened."""
+    return {name: round(at - since, 4) for name, at in sorted(_events.items(), key=lambda item: item[1])}
+
+
 def memory_breakdown() -> dict[str, int]:
     """This process's resident memory in bytes: ``rss`` and its ``anon`` / ``file`` / ``shmem``
     parts (Linux ``/proc/self/status``), plus CuPy's pinned-pool bytes when CuPy is loaded."""
@@ -114,16 +135,31 @@ def _malloc_trim() -> bool:
     return bool(trim(0)) if trim is not None else False
 
 
-EARLY_CUDA_ENV = "OPENINFER_EARLY_CUDA"  # "1": CuPy's import and the CUDA context start in a thread
+# "1": CuPy's import and the CUDA context start in a thread; "driver": the context alone, made in a thread
+# through the driver API by ctypes, which lets go of the GIL (CuPy's import holds it: the main thread's
+# imports wait meanwhile); "0": the backend makes the context
+EARLY_CUDA_ENV = "OPENINFER_EARLY_CUDA"
+EARLY_CUDA_MODES = ("0", "1", "driver")
+
+
+def early_cuda_mode() -> str:
+    """``OPENINFER_EARLY_CUDA`` ("0" when unset); anything but ``EARLY_CUDA_MODES`` is an error
+    (the engine core reports it and exits 2, as for a bad option)."""
+    mode = os.environ.get(EARLY_CUDA_ENV, "0").strip().lower() or "0"
+    if mode not in EARLY_CUDA_MODES:
+        raise OpenInferError(f"{EARLY_CUDA_ENV}={mode!r}: expected one of {', '.join(EARLY_CUDA_MODES)}")
+    return mode
 
 
 def early_cuda_wanted(options: dict, switch: str | None = EARLY_CUDA_ENV) -> bool:
     """Whether ``start_cuda_early`` should run for an engine built with these ``EngineOptions``
     fields: only where the engine's one GPU is device 0 (``device`` "cuda" or "auto", one rank),
     so no context is made on a GPU the engine will not use; and ``switch`` (an environment
-    variable) is "1" (None: no switch asked)."""
-    if switch is not None and os.environ.get(switch, "0").strip() != "1":
-        return False
+    variable) is not "0" (None: no switch asked)."""
+    if switch is not None:
+        value = early_cuda_mode() if switch == EARLY_CUDA_ENV else os.environ.get(switch, "0").strip()
+        if value == "0":
+            return False
     if str(options.get("device") or "auto") not in ("auto", "cuda"):
         return False
     ranks = [options.get(name) for name in ("tensor_parallel_size", "expert_parallel_size", "pipeline_parallel_size")]
@@ -151,26 +187,50 @@ def early_cuda_from_argv(argv: list[str]) -> threading.Thread | None:
                 options = json.loads(text)
             except ValueError:
                 return None
-    if not isinstance(options, dict) or not early_cuda_wanted(options):
+    try:
+        if not isinstance(options, dict) or not early_cuda_wanted(options):
+            return None
+    except OpenInferError:  # a bad switch: the engine core's start reports it
         return None
     return start_cuda_early()
 
 
+def retain_primary_context(ordinal: int = 0) -> bool:
+    """Create (or take) device ``ordinal``'s primary CUDA context through the driver API by
+    ctypes: the CUDA runtime (CuPy) then finds it made. ctypes releases the GIL for each call, so
+    the ~0.3-0.5 s the driver takes overlap Python work in other threads. False when there is no
+    driver or device (the backend's own start reports that)."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    return (driver.cuInit(0) == 0 and driver.cuDeviceGet(ctypes.byref(device), ordinal) == 0
+            and driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0)
+
+
 def start_cuda_early() -> threading.Thread:
-    """Import CuPy and create device 0's CUDA context (the primary context, which the backend
-    then finds made) in a daemon thread, beside the main thread's plugin discovery and imports:
-    the two cost ~0.35 s and ~0.3 s of a start in a row otherwise. Failures are left to the
-    backend's own start, which reports them. Once per process (a second call returns the first
-    thread)."""
+    """Create device 0's CUDA context (the primary context, which the backend then finds made) in
+    a daemon thread, beside the main thread's plugin discovery and imports: with
+    ``OPENINFER_EARLY_CUDA=driver`` through the driver API (``retain_primary_context``), else by
+    importing CuPy and calling ``cudaFree(0)``. Failures are left to the backend's own start,
+    which reports them. Once per process (a second call returns the first thread)."""
     global _early_cuda
     if _early_cuda is not None:
         return _early_cuda
+    by_driver = os.environ.get(EARLY_CUDA_ENV, "").strip().lower() == "driver"
 
     def init() -> None:
         try:
-            import cupy
+            if by_driver:
+                retain_primary_context(0)
+            else:
+                import cupy
 
-            cupy.cuda.runtime.free(0)  # cudaFree(0): the idiom that creates the context
+                cupy.cuda.runtime.free(0)  # cudaFree(0): the idiom that creates the context
+            note_event("early_cuda_context")
         except Exception:  # noqa: BLE001 — no GPU or no CuPy: the engine's start says so itself
             pass
 
@@ -206,8 +266,42 @@ def deferred_weights(options: Any) -> Iterator[Any]:
         yield copies
 
 
+# when the engine joins a deferred load's weight copies: "compile" (default, as since s9 D2) after the kernel
+# compile, before the graphs' warm-up forwards; "serve" just before it serves: the graph capture and the
+# prefill warm-up (whose outputs are thrown away; they read the weights only as garbage) run beside the
+# copies, in a relaxed-mode capture that other threads' copies do not disturb
+WEIGHTS_JOIN_ENV = "OPENINFER_WEIGHTS_JOIN"
+WEIGHTS_JOIN_POINTS = ("compile", "serve")
+_joining_later = threading.Event()
+
+
+def weights_join_point() -> str:
+    """``OPENINFER_WEIGHTS_JOIN`` ("compile" when unset); anything else is a clear start-up error."""
+    point = os.environ.get(WEIGHTS_JOIN_ENV, "compile").strip().lower() or "compile"
+    if point not in WEIGHTS_JOIN_POINTS:
+        raise OpenInferError(f"{WEIGHTS_JOIN_ENV}={point!r}: expected one of {', '.join(WEIGHTS_JOIN_POINTS)}")
+    return point
+
+
+@contextlib.contextmanager
+def weights_joined_later(later: bool = True) -> Iterator[None]:
+    """Within the block (with ``later``), ``wait_for_deferred_weights`` returns at once: the
+    caller joins the copies after it, before the first forward whose results are kept."""
+    if not later:
+        yield
+        return
+    _joining_later.set()
+    try:
+        yield
+    finally:
+        _joining_later.clear()
+
+
 def wait_for_deferred_weights() -> float:
-    """Join the weight copies a deferred load started (none: returns at once); seconds waited."""
+    """Join the weight copies a deferred load started (none, or inside ``weights_joined_later``:
+    returns at once); seconds waited."""
+    if _joining_later.is_set():
+        return 0.0
     upload = sys.modules.get("openinfer.backend.cuda.weight_upload")
     wait = getattr(upload, "wait_for_deferred_uploads", None)
     if wait is None:

@@ -1615,9 +1615,18 @@ extern "C" __global__ void moe_dequantize(const void* __restrict__ weight, const
 }
 
 // out[t, :] = Σ_j weights[t, j] · y[slot_pos[t·k + j], :]  (+ shared[t, :] when given), bf16 out.
+// COMBINE_PDL=1 (OPENINFER_MOE_COMBINE_PDL): launched with programmatic stream serialization right after the down
+// projection (whose Hopper build lets dependents launch at its start), each block waits in griddepcontrol.wait for
+// it to finish before reading y: the launch and block start overlap the down projection's last wave.
+#ifndef COMBINE_PDL
+#define COMBINE_PDL 0
+#endif
 extern "C" __global__ void moe_combine(const bf16* __restrict__ y, const int* __restrict__ slot_pos,
                                        const float* __restrict__ weights, const bf16* __restrict__ shared,
                                        int top_k, int hidden, bf16* __restrict__ out) {
+#if COMBINE_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
     const int t = blockIdx.x;  // gridDim.y blocks share a token's columns (1: one block walks them all)
     for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < hidden; c += gridDim.y * blockDim.x) {
         float sum = 0.f;

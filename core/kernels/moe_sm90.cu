@@ -54,8 +54,15 @@
 // which the kernel before the previous one wrote, never the previous kernel's output) before
 // griddepcontrol.wait, and every read of A or write of `out` comes after it. Launched plainly, the wait
 // returns at once.
+// SM90_PDL=2 (the gate_up projection launched right after the routing's grouping, OPENINFER_MOE_GATE_UP_PDL): the
+// grouping (offsets, sorted slots) is the previous kernel's output, so every thread waits (griddepcontrol.wait) before
+// reading anything, then lets the next kernel launch (down's SM90_PDL=1 prefetch reads these offsets: they are
+// complete by then); only the launch, the shared-memory carve-up and the barrier set-up overlap the previous kernel.
 #ifndef SM90_PDL
 #define SM90_PDL 0
+#endif
+#if SM90_PDL != 0 && SM90_PDL != 1 && SM90_PDL != 2
+#error "SM90_PDL is 0, 1 (weights before the wait) or 2 (wait first)"
 #endif
 #if SM90_PDL && SM90_MULTICAST
 #error "SM90_PDL is built for single CTAs only"
@@ -195,6 +202,9 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
     const u32 bar_full = base + SM90_BARRIER_OFFSET;      // [SM90_STAGES]
     const u32 bar_empty = bar_full + 8 * SM90_STAGES;     // [SM90_STAGES]
 
+#if SM90_PDL == 2
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the grouping (offsets, sorted slots): the previous kernel's
+#endif
     for (int e = threadIdx.x; e <= num_experts; e += SM90_THREADS) expert_offsets[e] = offsets[e];
     if (threadIdx.x == 0) {
         for (int s = 0; s < SM90_STAGES; ++s) {
@@ -273,7 +283,7 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
         const int t = threadIdx.x, chunk = t & 7, row0 = t >> 3;  // rows row0 + 16 i, 16-byte chunk `chunk`
         if (t == 0) prefetch_tensor_map(&weight_map);
         int step = 0;  // k-tiles produced so far (ring position)
-#if SM90_PDL
+#if SM90_PDL == 1
         int prefetched = 0;  // of them, k-tiles whose weight boxes went out before griddepcontrol.wait
         {  // the first segment's weights
 #if SM90_STREAM_K
@@ -346,7 +356,7 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                 }
 #endif
                 mbar_arrive_on_copies(full);
-#if SM90_PDL
+#if SM90_PDL == 1
                 if (t == 0 && step >= prefetched) {
 #else
                 if (t == 0) {

@@ -28,6 +28,7 @@ group's pages are never idle in another group's layers.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,32 @@ from openinfer.kv.block_pool import NULL_BLOCK_ID, TOKEN_WIDTH, BlockPool, Prefi
 from openinfer.kv.spec import CompressedSpec, FullAttentionSpec, KVCacheGroups, SlidingWindowSpec, group_specs
 from openinfer.kv.state_slots import NULL_SLOT_ID, StateSlots
 from openinfer.kv.table_rows import BlockTableRows
+
+# Where a model that snapshots inside a step (``KVCacheGroups.snapshots_within_step``) takes a
+# prompt's snapshot, by what a later request can reuse (``snapshot_within``):
+#
+#   "follow_up" (default): the state at the prompt's last block boundary <= its length. A chat's
+#       next turn extends the prompt (and the answer), so that is the state it restores. A prompt
+#       ending exactly on a boundary needs no snapshot inside the step: its final state is copied
+#       after the step (``snapshot_state``), and each GDN layer runs once. Only a prompt ending
+#       inside a block snapshots inside the step (at the boundary before its partial block).
+#   "retry": that, and for a prompt ending on a boundary also the boundary one block before its
+#       end: a hit never covers a prompt's last token, so an identical prompt (a retry, or the
+#       same prompt with its last token changed) can reuse all but its last block only from there.
+#       Costs a second snapshot slot per prompt and, unless the model's kernels write the state
+#       at that row themselves, a second run of each GDN layer's core in the step (the 64-stream
+#       burst of 1,024-token prompts: 1.06x -> 0.99x vLLM, GPU.md "Qwen3.5 side by side after D3").
+SNAPSHOT_POLICY_ENV = "OPENINFER_STATE_SNAPSHOTS"
+SNAPSHOT_POLICIES = ("follow_up", "retry")
+DEFAULT_SNAPSHOT_POLICY = "follow_up"
+
+
+def snapshot_policy() -> str:
+    """``OPENINFER_STATE_SNAPSHOTS`` (a key of ``SNAPSHOT_POLICIES``), else the default."""
+    value = os.environ.get(SNAPSHOT_POLICY_ENV, "").strip().lower() or DEFAULT_SNAPSHOT_POLICY
+    if value not in SNAPSHOT_POLICIES:
+        raise ValueError(f"{SNAPSHOT_POLICY_ENV}={value!r}: expected one of {SNAPSHOT_POLICIES}")
+    return value
 
 
 @dataclass
@@ -74,7 +101,8 @@ class KVCacheManager:
 
     def __init__(self, pools: BlockPool | Sequence[BlockPool | None], extra_key: str = "",
                  groups: KVCacheGroups | None = None, state_slots: StateSlots | None = None,
-                 num_snapshot_slots: int = 0, block_size: int = 16):
+                 num_snapshot_slots: int = 0, block_size: int = 16, snapshots: str | None = None):
+        """``snapshots``: a key of ``SNAPSHOT_POLICIES`` (default ``snapshot_policy()``)."""
         self.groups = groups or group_specs([FullAttentionSpec(1, 1)])
         if isinstance(pools, BlockPool):
             paged = [g.group_id for g in self.groups.paged_groups]
@@ -112,6 +140,9 @@ class KVCacheManager:
             raise ValueError("a model with recurrent-state layers needs a StateSlots pool")
         self.state_slots = state_slots
         self.num_snapshot_slots = num_snapshot_slots if first_paged.enable_prefix_cache else 0
+        self.snapshot_policy = snapshot_policy() if snapshots is None else snapshots
+        if self.snapshot_policy not in SNAPSHOT_POLICIES:
+            raise ValueError(f"snapshots={self.snapshot_policy!r}: expected one of {SNAPSHOT_POLICIES}")
         self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # token-block hash -> slot, LRU first
         self._snapshot_ids = 0
         self._state_copies: list[tuple[int, int]] = []
@@ -473,11 +504,11 @@ class KVCacheManager:
         inside the chunk gets a snapshot slot, which the forward fills with the state after that
         token (``ForwardBatch.state_snapshots``); published like ``snapshot_state``'s. A chunk
         ending on a boundary needs none (``snapshot_state`` copies the state there after the
-        step) unless it ends the request's tokens (``ends_request``): a hit never covers the last
-        token, so a repeat of the whole prompt starts from the boundary before. Returns ``(rows
+        step), except under the ``retry`` policy (``SNAPSHOT_POLICIES``) when it ends the
+        request's tokens (``ends_request``): then the boundary one block before. Returns ``(rows
         before the boundary, snapshot slot)``, or None: no boundary inside, or no slot."""
         granularity = self.hit_granularity
-        if end - start < 2 or (end % granularity == 0 and not ends_request):
+        if end - start < 2 or (end % granularity == 0 and not (ends_request and self.snapshot_policy == "retry")):
             return None
         boundary = (end - 1) // granularity * granularity
         blocks = self.requests.get(request_id)

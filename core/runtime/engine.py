@@ -26,7 +26,12 @@ import numpy as np
 
 from openinfer.backend.base import StateLayer
 from openinfer.engine_core.slots import ERROR, FINISHED, SCHEDULED, TOKEN, TOKENS_PB, RequestSlot, drain
-from openinfer.engine_core.startup import wait_for_deferred_weights
+from openinfer.engine_core.startup import (
+    note_event,
+    wait_for_deferred_weights,
+    weights_join_point,
+    weights_joined_later,
+)
 from openinfer.errors import (
     DeviceFaultError,
     EngineDeadError,
@@ -139,6 +144,7 @@ class PagedEngine:
     def __init__(self, model: PagedModel, options: EngineOptions | None = None, *, model_path: str = "",
                  plugin: str = "", tokenizer_path: str | None = None):
         began = time.perf_counter()
+        note_event("paged_engine_started")  # the model is loaded (its weights' copies may still run)
         # seconds of this constructor's start-up phases (the engine-core process reports them)
         self.startup_phases: dict[str, float] = {}
         self.model = model
@@ -172,6 +178,8 @@ class PagedEngine:
         self.pool = self.kv.pool  # the first paged group's (a dense model's only) pool
         self.startup_phases["kv_planning"] = time.perf_counter() - began
         create_step_runner = getattr(model, "create_step_runner", None)
+        dry_run_safe = bool(getattr(model, "dry_run_safe", False))
+        join_later = False  # OPENINFER_WEIGHTS_JOIN=serve (below)
         warmup = self._prefill_warmup(spec) if create_step_runner is None and not is_cpu and warmup_enabled() else None
         if create_step_runner is not None:  # a group of ranks: each allocates its KV and captures its graphs
             self.kv_cache, self.runner = create_step_runner(RunnerSetup(
@@ -191,23 +199,30 @@ class PagedEngine:
             extra_dry_run = None
             if warmup is not None and one_compile_wave():
                 extra_dry_run = warmup.dry_run(model.backend, self._forward)
+            # OPENINFER_WEIGHTS_JOIN=serve: the capture and warm-up forwards run beside the weight copies, only
+            # for a forward that computes no indices on the device (garbage weights give garbage, no fault)
+            join_later = dry_run_safe and weights_join_point() == "serve"
             # decode steps replay CUDA graphs on cuda (unless options.cuda_graph is off); else eager
-            self.runner = create_runner(model.backend, self._forward, cuda_graph=self.options.cuda_graph,
-                                        max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
-                                        block_size=self.block_size, num_groups=len(self.kv_groups.groups),
-                                        with_state=self.kv_groups.has_state,
-                                        discover_kernels=bool(getattr(model, "dry_run_safe", False)),
-                                        kv_specs=self.kv_cache_specs, extra_dry_run=extra_dry_run)
+            with weights_joined_later(join_later):
+                self.runner = create_runner(model.backend, self._forward, cuda_graph=self.options.cuda_graph,
+                                            max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
+                                            block_size=self.block_size, num_groups=len(self.kv_groups.groups),
+                                            with_state=self.kv_groups.has_state, discover_kernels=dry_run_safe,
+                                            kv_specs=self.kv_cache_specs, extra_dry_run=extra_dry_run)
         # graph capture includes compiling the kernels (in parallel when the model may run dry) and warm-ups;
         # a CudaGraphRunner splits it into kernel_compile, graph_capture and prefill_graph_capture
         phases = getattr(self.runner, "capture_phases", None)
         self.startup_phases.update(phases or {"graph_capture": getattr(self.runner, "capture_seconds", 0.0)})
         # a deferred load's weight copies (joined by the graph runner; else here, before any real step)
-        waited = wait_for_deferred_weights()
+        waited = 0.0 if join_later else wait_for_deferred_weights()
+        note_event("graphs_captured")
+        if warmup is not None:
+            with weights_joined_later(join_later):
+                self._warm_up_prefill(model, warmup)
+        if join_later:  # before the first forward whose results are kept
+            waited = wait_for_deferred_weights()
         if waited:
             self.startup_phases["deferred_weights_wait"] = self.startup_phases.get("deferred_weights_wait", 0.0) + waited
-        if warmup is not None:
-            self._warm_up_prefill(model, warmup)
         if mark_serving is not None:  # from here on, a kernel build is one the start-up missed
             mark_serving(True)
         self._state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]

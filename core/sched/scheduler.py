@@ -33,10 +33,12 @@ For models with recurrent state and the prefix cache on, the state at block boun
 (``kv.hit_granularity``: whole compressed blocks too) is snapshotted so a later request's prefix
 hit can start there. A model that writes snapshots inside a step
 (``KVCacheGroups.snapshots_within_step``: its forward copies the state after a given row,
-``ForwardBatch.state_snapshots``) gets its chunks uncut: a prompt runs in one step. For the
-others prefill chunks end on boundaries where they can (a chunk cut by the budget is cut at a
-boundary; the last chunk of a prompt stops at its last full block first, its last ``len % 16``
-tokens then a step of their own), so the state after each chunk is at a boundary.
+``ForwardBatch.state_snapshots``) gets a prompt's last chunk uncut: a prompt runs in one step
+(where the forward snapshots: ``KVCacheManager.snapshot_within``'s policy). Prefill chunks cut by
+the budget end on a boundary where they can (for every such model: the state after the chunk is
+then a snapshot by a copy after the step, and the forward runs no GDN layer in two parts for it);
+for models that cannot snapshot inside a step, the last chunk of a prompt also stops at its last
+full block first, its last ``len % 16`` tokens then a step of their own.
 """
 
 from __future__ import annotations
@@ -92,9 +94,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_queue = max_queue
         self.enable_prefix_cache = enable_prefix_cache
-        # recurrent state is only snapshotted at block boundaries: end prefill chunks there,
-        # unless the model snapshots inside a step (then a chunk crossing a boundary is not cut)
-        self.align_chunks = enable_prefix_cache and kv.groups.has_state and not kv.groups.snapshots_within_step
+        # recurrent state is only snapshotted at block boundaries: end prefill chunks there (a
+        # model that snapshots inside a step: only chunks cut by the budget; a prompt's last runs whole)
+        self.align_chunks = enable_prefix_cache and kv.groups.has_state
+        self.last_chunk_whole = kv.groups.snapshots_within_step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -233,7 +236,12 @@ class Scheduler:
         if not self.align_chunks or num_new <= 1:
             return num_new
         start, end, bs = request.num_computed_tokens, request.num_computed_tokens + num_new, self.kv.hit_granularity
-        boundary = end // bs * bs if end < request.num_tokens else (request.num_tokens - 1) // bs * bs
+        if end < request.num_tokens:  # cut by the budget: at a boundary
+            boundary = end // bs * bs
+        elif self.last_chunk_whole:  # the forward snapshots inside the step
+            return num_new
+        else:  # the last chunk: at the last full block before the last token
+            boundary = (request.num_tokens - 1) // bs * bs
         return boundary - start if start < boundary < end else num_new
 
     def _preempt(self, request: Request) -> None:

@@ -76,6 +76,44 @@ def test_early_cuda_runs_only_for_one_gpu_at_device_zero(monkeypatch) -> None:
     assert not thread.is_alive()
 
 
+def test_early_cuda_by_the_driver_makes_the_context_without_cupy(monkeypatch) -> None:
+    """OPENINFER_EARLY_CUDA=driver: the thread retains the primary context through the driver API
+    (ctypes, no GIL held) and imports nothing; a value that is no mode is a clear error."""
+    import sys
+
+    import pytest
+
+    from openinfer.engine_core import startup
+    from openinfer.errors import OpenInferError
+
+    retained: list[int] = []
+    monkeypatch.setattr(startup, "retain_primary_context", lambda ordinal=0: retained.append(ordinal) or True)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # importing it would fail
+    monkeypatch.setattr(startup, "_early_cuda", None)
+    monkeypatch.setenv("OPENINFER_EARLY_CUDA", "driver")
+    assert startup.early_cuda_wanted({"device": "cuda"})
+    thread = startup.start_cuda_early()
+    thread.join(5)
+    assert retained == [0]
+    monkeypatch.setattr(startup, "_early_cuda", None)
+    monkeypatch.setenv("OPENINFER_EARLY_CUDA", "sometimes")
+    with pytest.raises(OpenInferError, match="OPENINFER_EARLY_CUDA"):
+        startup.early_cuda_wanted({"device": "cuda"})
+    assert startup.early_cuda_from_argv(["--options-json", "{}"]) is None  # reported by the core's start
+
+
+def test_retaining_the_context_without_a_driver_reports_false(monkeypatch) -> None:
+    import ctypes
+
+    from openinfer.engine_core.startup import retain_primary_context
+
+    def missing(name: str):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert retain_primary_context(0) is False
+
+
 def test_deferred_weights_only_when_asked_for_one_cuda_rank(monkeypatch) -> None:
     """OPENINFER_DEFERRED_WEIGHTS (default on) defers a load's weight copies only for one CUDA rank; =0, on
     the CPU, for several ranks or without CuPy the block yields None, and waiting with nothing
@@ -103,3 +141,37 @@ def test_deferred_weights_only_when_asked_for_one_cuda_rank(monkeypatch) -> None
     module = types.SimpleNamespace(wait_for_deferred_uploads=lambda: waited.append(True))
     monkeypatch.setitem(sys.modules, "openinfer.backend.cuda.weight_upload", module)
     assert wait_for_deferred_weights() >= 0.0 and waited == [True]
+
+
+def test_weights_joined_later_hold_the_wait_until_the_block_ends(monkeypatch) -> None:
+    """OPENINFER_WEIGHTS_JOIN=serve: inside ``weights_joined_later`` (the graph capture, the
+    prefill warm-up) waiting for the deferred copies returns at once; after it, it waits."""
+    import sys
+    import types
+
+    import pytest
+
+    from openinfer.engine_core.startup import (
+        wait_for_deferred_weights,
+        weights_join_point,
+        weights_joined_later,
+    )
+    from openinfer.errors import OpenInferError
+
+    waited: list[bool] = []
+    module = types.SimpleNamespace(wait_for_deferred_uploads=lambda: waited.append(True))
+    monkeypatch.setitem(sys.modules, "openinfer.backend.cuda.weight_upload", module)
+    with weights_joined_later():
+        assert wait_for_deferred_weights() == 0.0 and waited == []
+    with weights_joined_later(False):  # as today: the capture joins them
+        wait_for_deferred_weights()
+    assert waited == [True]
+    wait_for_deferred_weights()
+    assert waited == [True, True]
+    monkeypatch.delenv("OPENINFER_WEIGHTS_JOIN", raising=False)
+    assert weights_join_point() == "compile"
+    monkeypatch.setenv("OPENINFER_WEIGHTS_JOIN", "serve")
+    assert weights_join_point() == "serve"
+    monkeypatch.setenv("OPENINFER_WEIGHTS_JOIN", "never")
+    with pytest.raises(OpenInferError, match="OPENINFER_WEIGHTS_JOIN"):
+        weights_join_point()

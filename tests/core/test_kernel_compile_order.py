@@ -113,10 +113,15 @@ def test_kernel_cost_is_the_file_cut_down_to_the_kernel(loader) -> None:
 def test_every_package_kernel_can_be_cut_out_of_its_file(loader) -> None:
     """The one-kernel modules need every kernel's definition found: a kernel made by a macro (or a
     parse failure) would compile its whole file instead, and set the start-up's wall."""
+    import importlib.util
     import re
 
     sources = sorted(loader.KERNEL_DIR.glob("*.cu"))
     assert sources
+    for plugin in ("openinfer_qwen35", "openinfer_deepseek_v4"):  # plugins' kernels go through the loader too
+        spec = importlib.util.find_spec(plugin)
+        if spec is not None and spec.submodule_search_locations:
+            sources += sorted((Path(next(iter(spec.submodule_search_locations))) / "kernels").glob("*.cu"))
     for path in sources:
         text = path.read_text()
         definitions = loader.kernel_definitions(text)
@@ -252,3 +257,34 @@ def test_kernels_found_by_the_discovery_start_building_at_once(monkeypatch, load
     monkeypatch.setenv("OPENINFER_KERNEL_MODULES", "source")  # whole files: nothing starts early
     assert loader.start_compiling([("elementwise.cu", "gelu", ())], device_id=0) == 0
     loader._compiled.clear()
+
+
+def test_one_module_label_names_every_kind_of_module(loader) -> None:
+    """``module_label`` is the one place a module's name is built: the whole file, with defines,
+    for an architecture, cut down to some kernels; a compile-plan module tuple gives the same."""
+    defines = (("GROUP", 4), ("HEAD_DIM", 128))
+    assert loader.module_label("a.cu", ()) == "a.cu"
+    assert loader.module_label("a.cu", defines) == "a.cu[GROUP=4,HEAD_DIM=128]"
+    assert loader.module_label("a.cu", defines, "sm_90a") == "a.cu[GROUP=4,HEAD_DIM=128]@sm_90a"
+    assert loader.module_label("a.cu", (), kernels=("k1", "k2")) == "a.cu:k1,k2"
+    assert loader.module_label("a.cu", defines, "sm_90a", ("k",)) == "a.cu[GROUP=4,HEAD_DIM=128]@sm_90a:k"
+    assert loader._label(("a.cu", defines)) == loader.module_label("a.cu", defines)
+    assert loader._label(("a.cu", defines, ("k",))) == loader.module_label("a.cu", defines, kernels=("k",))
+    assert loader._label(("a.cu", defines, "sm_90a", ("k",))) == loader.module_label("a.cu", defines, "sm_90a", ("k",))
+    assert loader._label(("a.cu", defines, "sm_90a")) == loader.module_label("a.cu", defines, "sm_90a")
+
+
+def test_a_plugin_kernel_file_is_named_by_its_absolute_path(tmp_path: Path, loader) -> None:
+    """A plugin's kernels: the key carries the file's absolute path, its cost counts the headers
+    beside it (and core's), and logs name it ``package/file.cu``."""
+    folder = tmp_path / "openinfer_toy" / "kernels"
+    folder.mkdir(parents=True)
+    (folder / "toy_common.cuh").write_text("h" * 40)
+    text = '#include "toy_common.cuh"\n#include "common.cuh"\n' + 'extern "C" __global__ void toy(float* x) { x[0] = 1; }\n'
+    (folder / "toy.cu").write_text(text)
+    key = loader.kernel_key(folder / "toy.cu", "toy", DK=128, A=1)
+    assert key == (str(folder / "toy.cu"), "toy", (("A", 1), ("DK", 128)))
+    core_common = len((loader.KERNEL_DIR / "common.cuh").read_text())
+    assert loader.source_cost(key[0]) >= len(text) + 40 + core_common
+    assert loader.kernel_cost(key[0], "toy") == loader.source_cost(key[0])
+    assert loader.module_label(key[0], key[2]) == "openinfer_toy/toy.cu[A=1,DK=128]"

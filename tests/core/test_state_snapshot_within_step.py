@@ -2,12 +2,15 @@
 snapshot_within_step``): the scheduler no longer cuts a prompt at its last full block, so a
 prompt runs in one step; the forward writes the state at the boundary inside it into the snapshot
 slot the batch names (``ForwardBatch.state_snapshots``). Cached and uncached runs give the same
-tokens, cached tokens are reported, and the snapshots' slots come back when their blocks go."""
+tokens, cached tokens are reported, and the snapshots' slots come back when their blocks go.
+Where the snapshot goes is ``KVCacheManager.snapshot_within``'s policy (``SNAPSHOT_POLICIES``)."""
 
 import numpy as np
+import pytest
 
 from openinfer import EngineOptions, PagedEngine
 from openinfer.kv import RecurrentStateSpec, StateTensor
+from openinfer.kv.manager import SNAPSHOT_POLICY_ENV
 from tests.core.test_kv_spec_engine import DIM, ToyHybrid
 from tests.helpers.engine_utils import assert_everything_returned, make_request, run_all, run_one
 
@@ -53,7 +56,7 @@ def test_a_prompt_runs_in_one_step_and_its_boundary_state_is_snapshotted_inside_
     model = ToySnapshotting()
     engine = _engine(model)
     try:
-        assert engine.kv.hit_granularity == 4 and not engine.scheduler.align_chunks
+        assert engine.kv.hit_granularity == 4 and engine.scheduler.last_chunk_whole
         first = run_one(engine, make_request("a", prompt, 1))
         assert model.steps == [[11]]  # one step, not 8 + 3
         assert model.snapshots_written == [(0, 8, model.snapshots_written[0][2])]
@@ -66,17 +69,64 @@ def test_a_prompt_runs_in_one_step_and_its_boundary_state_is_snapshotted_inside_
         engine.close_sync()
 
 
-def test_a_prompt_ending_on_a_boundary_keeps_the_boundary_before_for_a_repeat():
-    prompt = [3, 9, 4, 17, 8, 1, 30, 12, 5, 7, 22, 2]  # 12 tokens: a repeat's hit can cover 8 of them
+def test_a_prompt_ending_on_a_boundary_snapshots_after_its_step_only():
+    """The default policy (``follow_up``): the state a next turn restores is the prompt's final
+    one; no snapshot inside the step, so a hybrid model's state layers run once."""
+    prompt = [3, 9, 4, 17, 8, 1, 30, 12, 5, 7, 22, 2]  # 12 tokens: on a boundary (hits come in 4s)
     model = ToySnapshotting()
     engine = _engine(model)
     try:
+        assert engine.kv.snapshot_policy == "follow_up"
+        first = run_one(engine, make_request("a", prompt, 1))
+        assert model.steps == [[12]] and model.snapshots_written == []
+        longer = run_one(engine, make_request("c", prompt + [4, 4, 4], 1))  # from the snapshot after the step
+        assert longer.cached_tokens == 12 and model.steps[-1] == [3]
+        # an identical prompt cannot use the state after its own last token: computed again, same tokens
+        repeat = run_one(engine, make_request("b", prompt, 1))
+        assert repeat.token_ids == first.token_ids and repeat.cached_tokens == 0
+        assert_everything_returned(engine)
+    finally:
+        engine.close_sync()
+
+
+def test_the_retry_policy_keeps_the_boundary_before_for_a_repeat(monkeypatch):
+    monkeypatch.setenv(SNAPSHOT_POLICY_ENV, "retry")
+    prompt = [3, 9, 4, 17, 8, 1, 30, 12, 5, 7, 22, 2]
+    model = ToySnapshotting()
+    engine = _engine(model)
+    try:
+        assert engine.kv.snapshot_policy == "retry"
         first = run_one(engine, make_request("a", prompt, 1))
         assert model.steps == [[12]] and [w[:2] for w in model.snapshots_written] == [(0, 8)]
         repeat = run_one(engine, make_request("b", prompt, 1))
         assert repeat.token_ids == first.token_ids and repeat.cached_tokens == 8
-        longer = run_one(engine, make_request("c", prompt + [4, 4, 4], 1))  # from the snapshot after the step
+        longer = run_one(engine, make_request("c", prompt + [4, 4, 4], 1))
         assert longer.cached_tokens == 12
+        assert_everything_returned(engine)
+    finally:
+        engine.close_sync()
+
+
+def test_an_unknown_policy_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(SNAPSHOT_POLICY_ENV, "everywhere")
+    with pytest.raises(ValueError, match="OPENINFER_STATE_SNAPSHOTS"):
+        _engine()
+
+
+def test_a_chunk_cut_by_the_budget_ends_on_a_boundary():
+    """A prompt longer than the step's budget: its first chunk stops at the last boundary inside
+    the budget (the state there is snapshotted by a copy after the step, nothing inside it); its
+    last chunk runs whole with the snapshot inside."""
+    prompt = list(range(1, 16))  # 15 tokens, budget 10: 8 (a boundary) then 7 (the boundary at 12 inside)
+    model = ToySnapshotting()
+    engine = _engine(model, max_num_batched_tokens=10, max_model_len=32)
+    try:
+        first = run_one(engine, make_request("a", prompt, 1))
+        assert model.steps[:2] == [[8], [7]]
+        assert [w[:2] for w in model.snapshots_written] == [(0, 4)]
+        turn = run_one(engine, make_request("b", prompt + [6, 6], 1))
+        assert turn.cached_tokens == 12
+        assert first.token_ids
         assert_everything_returned(engine)
     finally:
         engine.close_sync()

@@ -213,10 +213,19 @@ def test_the_startup_report_breaks_every_process_start_into_phases(stub_model, t
         while not report.exists():
             assert time.monotonic() < deadline, "no start-up report"
             time.sleep(0.05)
-        phases = {role: entry["phases"] for role, entry in json.loads(report.read_text()).items()}
+        entries = json.loads(report.read_text())
+        phases = {role: entry["phases"] for role, entry in entries.items()}
     finally:
         assert stop(process) == 0
     assert set(phases) == {"supervisor", "engine-core", "api-server-0", "api-server-1"}
+    # each process's events: seconds after its start, in the order they happened
+    events = {role: entry["events"] for role, entry in entries.items()}
+    assert ["imports_done", "engine_build_started", "ready"] == [
+        name for name in events["engine-core"] if name in ("imports_done", "engine_build_started", "ready")]
+    assert {"core_spawned"} <= set(events["supervisor"])
+    assert {"imports_done", "engine_connected"} <= set(events["api-server-1"])
+    for role, times in events.items():
+        assert list(times.values()) == sorted(times.values()) and min(times.values()) >= 0, role
     assert {"spawn_and_imports", "model_load", "kv_planning", "transport"} <= set(
         phases["engine-core"])
     assert {"spawn_and_imports", "wait_for_engine", "tokenizer_and_app", "http_listening"} <= set(phases["api-server-1"])

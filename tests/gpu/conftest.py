@@ -25,6 +25,24 @@ def cuda_backend():
 
 
 @pytest.fixture
+def cuda_moe(cuda_backend):
+    """``openinfer.backend.cuda.moe`` (MoE ops, quantized linears), after ``cuda_backend``'s GPU check."""
+    from openinfer.backend.cuda import moe
+
+    return moe
+
+
+@pytest.fixture
+def sm90_moe(cuda_backend):
+    """``openinfer.backend.cuda.moe_sm90`` (the Hopper grouped expert GEMM); skips unless the GPU runs sm_90a code."""
+    from openinfer.backend.cuda import moe_sm90
+
+    if not moe_sm90.sm90_supported():
+        pytest.skip("moe_grouped_gemm_sm90 needs a compute capability 9.0 GPU")
+    return moe_sm90
+
+
+@pytest.fixture
 def rng(request):
     # fresh random inputs per test, reproducible from the test's name
     return np.random.default_rng(abs(hash(request.node.nodeid)) % 2**32)

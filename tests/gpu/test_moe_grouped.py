@@ -35,14 +35,6 @@ def _sm90_builds():
     compile_kernels(found, cupy.cuda.Device().id, threads=16)
 
 
-def _sm90():
-    from openinfer.backend.cuda import moe, moe_sm90
-
-    if not moe_sm90.sm90_supported():
-        pytest.skip("moe_grouped_gemm_sm90 needs a compute capability 9.0 GPU")
-    return moe, moe_sm90
-
-
 def _max_error(ours, reference) -> float:
     ours = np.asarray(ours, np.float64)
     assert np.isfinite(ours).all()
@@ -51,7 +43,7 @@ def _max_error(ours, reference) -> float:
 
 @pytest.mark.parametrize("shape", ["base", "skip", "m64_s5", "m64_n128_s8", "n128_s6", "sk", "n128_s6_sk",
                                    "m64_n128_k2", "m64_n128_k3", "m64_n128_k4"])
-def test_sm90_shapes_match_numpy(cuda_backend, rng, shape):
+def test_sm90_shapes_match_numpy(cuda_backend, cuda_moe, sm90_moe, rng, shape):
     """Every SM90_SHAPES build on ragged experts (an empty expert, one over several 64- and 128-slot
     tiles, tiles of 1-5 slots: a warpgroup all padding), K = 200 (a partial 64- and 128-wide k-stage:
     a whole 64-wide sub-tile past K for k_sub 2), N = 304 / I = 152
@@ -60,7 +52,7 @@ def test_sm90_shapes_match_numpy(cuda_backend, rng, shape):
     rounding, the two launches sum their cut units' parts in other places), and down against NumPy
     fp32 per expert; the same as the default shape within bf16 rounding; a graph replay equals the
     eager run."""
-    moe, moe_sm90 = _sm90()
+    moe, moe_sm90 = cuda_moe, sm90_moe
     num_experts, top_k, hidden, inter, tokens = 8, 3, 200, 152, 300
     gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
     down, down_ref = _expert_weights(rng, "bf16", num_experts, hidden, inter)
@@ -102,10 +94,10 @@ def test_sm90_shapes_match_numpy(cuda_backend, rng, shape):
     assert np.array_equal(graph_out.get(), y.get())
 
 
-def test_sm90_shape_switch(cuda_backend, monkeypatch):
+def test_sm90_shape_switch(sm90_moe, monkeypatch):
     """OPENINFER_MOE_SM90_SHAPE forces a shape; unset, SM90_SHAPE_CHOICE decides (64-slot, 128-row tiles with
     128-wide k stages up to 24 slots per expert, base above); a bad name is a clear error."""
-    _, moe_sm90 = _sm90()
+    moe_sm90 = sm90_moe
     monkeypatch.delenv(moe_sm90.SM90_SHAPE_ENV, raising=False)
     assert moe_sm90.sm90_shape(1.5) == moe_sm90.sm90_shape(24) == moe_sm90.SM90_SHAPES["m64_n128_k2"]
     assert moe_sm90.sm90_shape(96) == moe_sm90.SM90_SHAPES["base"]
@@ -218,12 +210,12 @@ def test_group_chunks_equal_blocks(cuda_backend, rng, monkeypatch, tokens, exper
 
 
 @pytest.mark.parametrize("shape", ["sk", "m64_s5_sk", "n128_s6_sk", "m64_n128_k2_sk"])
-def test_sm90_stream_k_matches_numpy(cuda_backend, rng, shape):
+def test_sm90_stream_k_matches_numpy(cuda_backend, cuda_moe, sm90_moe, rng, shape):
     """Stream-K shapes where the launch has more units than SMs (units cut between CTAs, their later
     parts summed through the fp32 workspace by the owner): gate_up (fused SiLU·mul) and down against
     NumPy fp32 per expert and within bf16 rounding of the whole-unit kernel; deterministic (twice the
     same bits); the flags left zeros."""
-    moe, moe_sm90 = _sm90()
+    moe, moe_sm90 = cuda_moe, sm90_moe
     num_experts, top_k, hidden, inter, tokens = 24, 6, 1024, 704, 64
     gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
     down, down_ref = _expert_weights(rng, "bf16", num_experts, hidden, inter)
@@ -251,15 +243,12 @@ def test_sm90_stream_k_matches_numpy(cuda_backend, rng, shape):
 
 
 @pytest.mark.parametrize("shape", ["base", "n128_s6_sk"])
-def test_sm90_pdl_equals_plain_launches(cuda_backend, rng, monkeypatch, shape):
+def test_sm90_pdl_equals_plain_launches(cuda_backend, cuda_moe, sm90_moe, rng, monkeypatch, shape):
     """OPENINFER_MOE_SM90_PDL=1: gate_up built to let down launch early, down launched to overlap it
     (cuLaunchKernelEx, programmatic stream serialization): the same bits as plain launches, eagerly
     and as a CUDA graph replay, over a step where gate_up has several waves (Moonlight-like widths,
     few slots per expert) and one where most experts are empty; a bad value is a clear error."""
-    from openinfer.backend.cuda import moe, moe_sm90
-
-    if not moe_sm90.sm90_supported():
-        pytest.skip("moe_grouped_gemm_sm90 needs a compute capability 9.0 GPU")
+    moe, moe_sm90 = cuda_moe, sm90_moe
     num_experts, top_k, hidden, inter = 16, 6, 512, 704
     gate_up, _ = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
     down, _ = _expert_weights(rng, "bf16", num_experts, hidden, inter)
@@ -694,11 +683,11 @@ def test_moe_block_route_norm_equals_unfused(cuda_backend, rng, monkeypatch, tok
 
 @pytest.mark.parametrize("shape", ["m64_n128_k2", "m64_n128_k2_sk"])
 @pytest.mark.parametrize("tokens", [16, 64])
-def test_sm90_rotated_units_equal(cuda_backend, rng, monkeypatch, shape, tokens):
+def test_sm90_rotated_units_equal(cuda_backend, cuda_moe, sm90_moe, rng, monkeypatch, shape, tokens):
     """moe_sm90.rotated_units(S) (moe_sm90.cu SM90_ROTATE: the last S experts' units first, for the L2 prefetch of
     fused shared experts): the same bits as expert order, gate_up with SiLU·mul and down, PDL on, stream-K too
     (the decode shape, its builds compiled here)."""
-    moe, moe_sm90 = _sm90()
+    moe, moe_sm90 = cuda_moe, sm90_moe
     hidden, inter = 512, 128
     _, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
     monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, shape)
@@ -710,3 +699,80 @@ def test_sm90_rotated_units_equal(cuda_backend, rng, monkeypatch, shape, tokens)
     with moe_sm90.rotated_units(fused.shared_experts):
         rotated = moe.routed_experts(cuda_backend, x, fused.gate_up, fused.down, grouping).get()
     assert np.array_equal(rotated, plain)
+
+
+@pytest.mark.parametrize("gemv_kernel", ["mma", "mma_split4", "mma_split4_depth4", "mma_split4_depth8"])
+@pytest.mark.parametrize("rows", [2, 16, 32])
+def test_kimi_dense_gemv_matches_numpy(cuda_backend, rng, monkeypatch, gemv_kernel, rows):
+    """OPENINFER_KIMI_DENSE_GEMV: the kimi plugin's bf16 dense projections of decode-sized steps as a tensor-core
+    decode GEMV (the weight as one expert) equal NumPy's product within bf16 rounding, eagerly and as a CUDA graph
+    replay (the same bits); outside its bounds (1 row, an LM-head-sized weight, a bias) cuBLAS runs; a bad name is a
+    clear error."""
+    from openinfer_kimi_k2 import cuda_ops
+
+    from openinfer.backend.cuda.linear import CudaLinear
+
+    out_features, in_features = 200, 520  # a partial 64-column block; K not a multiple of 64
+    w = bf16_random(rng, out_features, in_features, scale=0.05)
+    x = bf16_random(rng, rows, in_features)
+    layer = CudaLinear(cuda_backend.upload(w), None)
+    x_dev = cuda_backend.upload(x)
+    monkeypatch.setenv(cuda_ops.DENSE_GEMV_ENV, gemv_kernel)
+    assert cuda_ops.dense_gemv_kernel(x_dev, layer) == gemv_kernel
+    eager = cuda_ops.cuda_linear(cuda_backend, x_dev, layer)
+    reference = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert relative_error(cuda_backend.to_host(eager), reference) < 1e-2
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        graph_out = cuda_ops.cuda_linear(cuda_backend, x_dev, layer)
+        graph = stream.end_capture()
+        graph_out[...] = 0
+        graph.launch()
+        stream.synchronize()
+    assert np.array_equal(graph_out.get(), eager.get())
+    assert cuda_ops.dense_gemv_kernel(x_dev[:1], layer) is None
+    assert cuda_ops.dense_gemv_kernel(x_dev, CudaLinear(layer.weight, cuda_backend.upload(w[:, 0]))) is None
+    big = CudaLinear(cupy.zeros((cuda_ops.DENSE_GEMV_MAX_OUT + 64, in_features), cupy.uint16), None)
+    assert cuda_ops.dense_gemv_kernel(x_dev, big) is None
+    monkeypatch.setenv(cuda_ops.DENSE_GEMV_ENV, "wide")
+    with pytest.raises(ValueError, match="OPENINFER_KIMI_DENSE_GEMV"):
+        cuda_ops.dense_gemv_kernel(x_dev, layer)
+
+
+@pytest.mark.parametrize("gate_up_pdl,combine_pdl", [("1", "0"), ("0", "1"), ("1", "1")])
+@pytest.mark.parametrize("tokens", [16, 64, 200])
+def test_gate_up_and_combine_pdl_equal_plain(cuda_backend, sm90_moe, rng, monkeypatch, gate_up_pdl, combine_pdl,
+                                             tokens):
+    """OPENINFER_MOE_GATE_UP_PDL (gate_up launched to overlap the grouping kernel, built to wait for it first:
+    SM90_PDL=2) and OPENINFER_MOE_COMBINE_PDL (moe_combine launched to overlap the down projection, waiting in
+    griddepcontrol.wait): moe_forward gives the plain launches' bits, on a stream of its own eagerly and as a CUDA
+    graph replay (the programmatic edges captured), for steps on the Hopper kernel with the shared experts fused; bad
+    values are clear errors."""
+    hidden, inter = 512, 128
+    moe, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "0")  # the grouping by moe_sort_parallel: a kernel of its own before gate_up
+    plain = moe.moe_forward(cuda_backend, x, fused).get()
+    ids, weights = moe.route(x, fused.gate, fused.router, fused.correction_bias, shared_experts=fused.shared_experts)
+    assert moe.sm90_routed(x, fused.gate_up, moe.group_by_expert(ids, weights, fused.gate_up.num_experts))
+    monkeypatch.setenv(sm90_moe.GATE_UP_PDL_ENV, gate_up_pdl)
+    monkeypatch.setenv(moe.COMBINE_PDL_ENV, combine_pdl)
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:  # cuLaunchKernelEx needs a stream other than the legacy one
+        assert np.array_equal(moe.moe_forward(cuda_backend, x, fused).get(), plain)
+        stream.begin_capture()
+        try:
+            out = moe.moe_forward(cuda_backend, x, fused)
+        finally:
+            graph = stream.end_capture()
+        out[...] = 0
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(out.get(), plain)
+    monkeypatch.setenv(sm90_moe.GATE_UP_PDL_ENV, "sometimes")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_GATE_UP_PDL"):
+        sm90_moe.gate_up_pdl()
+    monkeypatch.setenv(moe.COMBINE_PDL_ENV, "sometimes")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_COMBINE_PDL"):
+        moe.combine_pdl_wanted()

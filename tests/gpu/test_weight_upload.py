@@ -30,6 +30,25 @@ def test_upload_is_bit_exact_at_every_size(cuda_backend, rng, shape):
         uploader.close()
 
 
+def test_reading_chunks_from_the_file_gives_the_mapped_bits(cuda_backend, rng, tmp_path):
+    """OPENINFER_UPLOAD_READS=read: a checkpoint tensor (and a row slice of it, a fused part's
+    source) is read from its file into the staging ring: the same bits as a copy out of the map."""
+    from openinfer.backend.cuda.weight_upload import WeightUploader
+    from openinfer.weights import Checkpoint, write_safetensors
+
+    big = rng.integers(0, 2**16, size=(3001, 2561), dtype=np.uint16)
+    write_safetensors(tmp_path / "model.safetensors", {"pad": rng.standard_normal(77).astype(np.float32),
+                                                        "big": ("BF16", big)})
+    tensor = Checkpoint(tmp_path).raw("big")
+    uploader = WeightUploader(cuda_backend.device.id, num_threads=3, chunk_bytes=1 << 20, read_files=True)
+    try:
+        np.testing.assert_array_equal(uploader.upload(tensor).get(), big)
+        np.testing.assert_array_equal(uploader.upload(tensor[1000:]).get(), big[1000:])
+        np.testing.assert_array_equal(uploader.upload(np.ascontiguousarray(tensor[:, :7])).get(), big[:, :7])
+    finally:
+        uploader.close()
+
+
 def test_upload_refuses_a_destination_too_small(cuda_backend, rng):
     from openinfer.backend.cuda.weight_upload import WeightUploader
 

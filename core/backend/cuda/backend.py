@@ -45,6 +45,9 @@ from openinfer.backend.cuda.loader import (
 )
 from openinfer.backend.cuda.sampler import sample_rows, sample_rows_async
 from openinfer.backend.cuda.weight_upload import uploader
+from openinfer.engine_core.startup import note_event
+
+note_event("cuda_backend_imported")  # CuPy and the CUDA backend's modules
 
 logger = logging.getLogger("openinfer.backend.cuda")
 
@@ -128,6 +131,7 @@ class CudaBackend:
     kv_dtype = "bfloat16"  # the KV cache dtype name models put in their specs
 
     def __init__(self, device: int = 0, use_gemv: bool = True, fuse_decode: bool | None = None):
+        note_event("backend_init_started")
         self.device = cupy.cuda.Device(device)
         self.device.use()
         props = cupy.cuda.runtime.getDeviceProperties(device)
@@ -173,17 +177,22 @@ class CudaBackend:
             raise ValueError(f"{MIXED_OVERLAP_ENV}={overlap!r}: expected '0' or '1'")
         self.mixed_overlap = overlap == "1"
         self._side_stream: cupy.cuda.Stream | None = None  # made at the first overlapped mixed step
+        note_event("backend_ready")
 
     def precompile_kernels(self, dry_run: Callable[[], Any]) -> int:
         """Compile, in parallel, every kernel ``dry_run`` (a forward whose outputs are thrown
         away) would launch, and those of ``STEP_KERNELS``; returns the number of modules built. A dry run
         that fails part-way (outputs are garbage while discovering) still compiles what it met."""
+        note_event("discovery_started")
         with discover_kernels(self.device.id) as wanted:  # each kernel's build starts when it is found
             try:
                 dry_run()
             except Exception:  # noqa: BLE001 — only discovery is lost; the real warm-up follows
                 logger.debug("the kernel-discovery forward stopped early", exc_info=True)
-        return compile_kernels([*wanted, *STEP_KERNELS], self.device.id)
+        note_event("discovery_done", last=True)
+        built = compile_kernels([*wanted, *STEP_KERNELS], self.device.id)
+        note_event("kernels_compiled", last=True)
+        return built
 
     def mark_serving(self, serving: bool = True) -> None:
         """The engine's start-up is over (``True``) or begins (``False``): a kernel built while

@@ -41,6 +41,7 @@ from typing import Any
 import cupy
 
 from openinfer.backend.cuda import kernel_include_dir, kernel_include_options
+from openinfer.engine_core.startup import note_event
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +166,15 @@ def kernel_definitions(text: str) -> list[tuple[str, int, int]] | None:
     """Every ``extern "C" __global__ void`` kernel *defined* in ``text`` (declarations skipped):
     ``(name, start, end)`` with ``text[start:end]`` its whole definition; None when one's extent
     cannot be found. Attributes (``__launch_bounds__(..)``, attribute macros) may precede the
-    name; brackets count in each preprocessor conditional's first branch."""
+    name; brackets count in each preprocessor conditional's first branch. Each file's text is
+    parsed once (a start cuts ~50 kernels out of a few files, and the parse is pure Python that
+    would hold the GIL against the weight load)."""
+    found = _parsed_definitions(text)
+    return None if found is None else list(found)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed_definitions(text: str) -> tuple[tuple[str, int, int], ...] | None:
     masked, at = list(text), 0  # comments blanked: no kernel is found inside one (``extern "C"`` is a literal)
     while at < len(text):
         skipped = _skip_literal_or_comment(text, at)
@@ -205,7 +214,7 @@ def kernel_definitions(text: str) -> list[tuple[str, int, int]] | None:
             return None
         found.append((name, match.start(), end + 1))
         position = end + 1
-    return found
+    return tuple(found)
 
 
 def kernel_subset(text: str, keep: Iterable[str]) -> str | None:
@@ -229,14 +238,15 @@ def kernel_subset(text: str, keep: Iterable[str]) -> str | None:
 def _module(source: str, defines: tuple[tuple[str, int], ...],
             kernels: tuple[str, ...] | None = None) -> cupy.RawModule:
     """The module of ``source`` under ``defines``; with ``kernels``, holding only those kernels."""
-    path = KERNEL_DIR / source
+    path = KERNEL_DIR / source  # a plugin's kernel file is an absolute path
     if not path.is_file():
-        raise FileNotFoundError(f"CUDA source {path} is missing; reinstall openinfer (package data *.cu)")
-    options = ("-std=c++17", *kernel_include_options(), *(f"-D{name}={value}" for name, value in defines))
+        raise FileNotFoundError(f"CUDA source {path} is missing; reinstall the package that ships it (package data *.cu)")
+    folders = () if path.parent == KERNEL_DIR else (path.parent,)  # a plugin's headers beside its file
+    options = ("-std=c++17", *kernel_include_options(*folders), *(f"-D{name}={value}" for name, value in defines))
     text = path.read_text()
     if kernels is not None:
         text = kernel_subset(text, kernels) or text
-    _note_build(module_label(source, defines) + (f":{','.join(kernels)}" if kernels is not None else ""))
+    _note_build(module_label(source, defines, kernels=kernels))
     return cupy.RawModule(code=text, options=options)
 
 
@@ -267,9 +277,17 @@ class _NotCompiled:
         return None
 
 
-def kernel(source: str, name: str, **defines: int) -> cupy.RawKernel:
-    """The compiled kernel ``name`` of ``source`` with ``-DNAME=value`` for each define."""
-    key = (source, name, tuple(sorted(defines.items())))
+def kernel_key(source: str | Path, name: str, **defines: int) -> KernelKey:
+    """The key of ``kernel(source, name, **defines)``, for ``start_compiling`` ahead of its first launch."""
+    return (str(source), name, tuple(sorted(defines.items())))
+
+
+def kernel(source: str | Path, name: str, **defines: int) -> cupy.RawKernel:
+    """The compiled kernel ``name`` of ``source`` with ``-DNAME=value`` for each define. ``source`` is
+    a file of core's kernel folder, or a plugin's kernel file by its absolute path (its folder is
+    then on the include path too): either way one kernel a module, built in the background when
+    ``start_compiling`` or a start-up discovery met it first, and counted in ``late_compiles``."""
+    key = kernel_key(source, name, **defines)
     found = getattr(_discovery, "found", None)
     if found is not None:  # no kernel runs on a dry forward's garbage, compiled or not
         _found(found, key)
@@ -343,7 +361,7 @@ def _arch_module(source: str, defines: tuple[tuple[str, int], ...], arch: str,
         cached = arch_cache_path(text, tuple(options), arch, ".".join(map(str, nvrtc.getVersion())))
     cubin = _read_cached(cached)
     if cubin is None:
-        _note_build(module_label(source, defines, arch) + (f":{','.join(kernels)}" if kernels is not None else ""))
+        _note_build(module_label(source, defines, arch, kernels))
         program = nvrtc.createProgram(text, source, (), ())
         try:
             try:
@@ -411,10 +429,15 @@ def discover_kernels(device_id: int | None = None) -> Iterator[set[KernelKey]]:
         _discovery.found, _discovery.device_id = previous
 
 
-def module_label(source: str, defines: tuple[tuple[str, int], ...], arch: str | None = None) -> str:
-    """``source[NAME=value,...]@arch``: one compiled module's name in logs and reports."""
+def module_label(source: str, defines: tuple[tuple[str, int], ...], arch: str | None = None,
+                 kernels: tuple[str, ...] | None = None) -> str:
+    """``source[NAME=value,...]@arch:kernel,...``: one compiled module's name in logs and reports
+    (``kernels``: the ones it holds when not the whole file; a plugin's file as ``package/file.cu``)."""
+    path = Path(source)
+    if path.is_absolute():
+        source = f"{path.parent.parent.name}/{path.name}"
     label = source + (f"[{','.join(f'{k}={v}' for k, v in defines)}]" if defines else "")
-    return label + (f"@{arch}" if arch else "")
+    return label + (f"@{arch}" if arch else "") + (f":{','.join(kernels)}" if kernels is not None else "")
 
 
 @functools.cache
@@ -422,19 +445,20 @@ def source_cost(source: str, kernel_dir: str | None = None) -> int:
     """Bytes NVRTC reads for ``source``: its text and that of the local headers it includes
     (recursively, each once); 0 for a file that is not there. A rough estimate of its compile time."""
     root = KERNEL_DIR if kernel_dir is None else Path(kernel_dir)
-    seen: set[str] = set()
-    pending, total = [source], 0
+    seen: set[Path] = set()
+    pending, total = [root / source], 0
     while pending:
-        name = pending.pop()
-        if name in seen:
+        path = pending.pop()
+        if path in seen:
             continue
-        seen.add(name)
-        path = root / name
+        seen.add(path)
         if not path.is_file():
             continue
         text = path.read_text()
         total += len(text)
-        pending.extend(_INCLUDE.findall(text))
+        for name in _INCLUDE.findall(text):  # beside the including file (a plugin's headers), else core's
+            beside = path.parent / name
+            pending.append(beside if beside.is_file() else KERNEL_DIR / name)
     return total
 
 
@@ -493,14 +517,15 @@ def _module_of(key: KernelKey, mode: str) -> tuple[Any, ...]:
 
 
 def _label(module: tuple[Any, ...]) -> str:
-    if isinstance(module[-1], tuple) and len(module) > 2:  # a one-kernel module
-        *rest, (name,) = module
-        return f"{module_label(*rest)}:{name}"
-    return module_label(*module)
+    """``module_label`` of a module ``(source, defines[, arch][, (kernel,)])``."""
+    source, defines, *rest = module
+    kernels = rest.pop() if rest and isinstance(rest[-1], tuple) else None
+    return module_label(source, defines, *rest, kernels=kernels)
 
 
 def _build(module: tuple[Any, ...], keys: list[KernelKey], mode: str) -> None:
     """Compile (or load from CuPy's disk cache) one module and take ``keys``' kernels from it."""
+    note_event("first_kernel_build_started")
     began = time.perf_counter()
     if mode == "found":  # one module holding just the kernels found in its file
         source, defines, *arch = module
@@ -514,6 +539,7 @@ def _build(module: tuple[Any, ...], keys: list[KernelKey], mode: str) -> None:
         else:
             _kernel(source, name, defines)
     module_compile_seconds[_label(module)] = time.perf_counter() - began
+    note_event("last_kernel_build_done", last=True)
 
 
 # kernels whose builds started before anyone waited for them (start_compiling); one pool per device

@@ -53,7 +53,8 @@ import numpy as np
 
 from openinfer.backend.cuda.linear import launch_decode
 from openinfer.backend.cuda.loader import kernel
-from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, rotated_units, sm90_experts
+from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, rotated_units, sm90_experts, sm90_pdl
+from openinfer.backend.cuda.pdl_launch import launch
 from openinfer.moe import RouterSpec
 from openinfer.quant import int4_tiling_fits, tile_int4
 
@@ -100,6 +101,11 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "mma_split4": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4},
     "mma_split4_depth3": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4, "MMA_GEMV_DEPTH": 3},
     "mma1_split4": {"MMA_GEMV_NTILES": 1, "MMA_GEMV_KSPLIT": 4},
+    # split K with deeper rings, for bf16 dense projections of 2-32 rows (the kimi plugin's OPENINFER_KIMI_DENSE_GEMV,
+    # opt-in until measured): a 16-row pass over Moonlight's q / kv_a (3648 x 2048) runs 228 blocks of 4 warps, each
+    # warp 1 KB of weights per chunk, so 4-8 chunks in flight per warp keep ~4-7 MB of reads in flight
+    "mma_split4_depth4": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4, "MMA_GEMV_DEPTH": 4},
+    "mma_split4_depth8": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4, "MMA_GEMV_DEPTH": 8},
     # INT4 with group-32 scales (Kimi's experts), opt-in until measured: moe_gemv_mma_staged, each
     # warp's weights copied to shared memory by cp.async in runs of STAGED_CHUNKS x 64 contiguous
     # bytes per row (moe_gemv_mma's lanes read 64 bytes of a row per load; the H100's INT4 and bf16
@@ -1006,10 +1012,25 @@ def combine_vec_ready(y: cupy.ndarray, shared: cupy.ndarray | None, hidden: int,
             and top_k <= MAX_TOPK and y.flags.c_contiguous and (shared is None or shared.flags.c_contiguous))
 
 
+# OPENINFER_MOE_COMBINE_PDL (opt-in until measured; =1 on): after the Hopper down projection (whose build lets the
+# next kernel launch at its start), moe_combine is launched with programmatic stream serialization and waits for it in
+# griddepcontrol.wait (moe.cu COMBINE_PDL): its launch and block start overlap the down projection's last wave. The
+# same bits.
+COMBINE_PDL_ENV = "OPENINFER_MOE_COMBINE_PDL"
+DEFAULT_COMBINE_PDL = False
+
+
+def combine_pdl_wanted() -> bool:
+    """$OPENINFER_MOE_COMBINE_PDL (1 / 0; unset: DEFAULT_COMBINE_PDL; another value: a clear error)."""
+    return _switch(COMBINE_PDL_ENV, default=DEFAULT_COMBINE_PDL)
+
+
 def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarray | None, hidden: int,
-            vectorized: bool | None = None) -> cupy.ndarray:
+            vectorized: bool | None = None, after_down: bool = False) -> cupy.ndarray:
     """``out[t] = Σ_j weights[t, j] · y[slot_pos[t·k + j]] (+ shared[t])``, bf16 ``[T, hidden]``:
-    moe_combine, or with ``vectorized`` (default ``combine_vec_wanted``) moe_combine_vec8 (the same bits)."""
+    moe_combine, or with ``vectorized`` (default ``combine_vec_wanted``) moe_combine_vec8 (the same bits).
+    ``after_down``: the previous kernel on the stream is the Hopper down projection that wrote ``y`` (then
+    $OPENINFER_MOE_COMBINE_PDL launches moe_combine to overlap it)."""
     num_tokens = int(grouping.ids.shape[0])
     out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)
     if vectorized is None:
@@ -1024,9 +1045,13 @@ def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarra
         # one column per thread (a lone block walks a 7168-wide row in 28 dependent rounds of 8
         # slot loads: 42 us at batch 1 on an H200)
         column_blocks = -(-hidden // 256) if fast_routing() else 1
-        kernel("moe.cu", "moe_combine")((num_tokens, column_blocks), (256,), (
-            y, grouping.slot_pos, grouping.weights, NULL if shared is None else shared,
-            np.int32(grouping.top_k), np.int32(hidden), out))
+        args = (y, grouping.slot_pos, grouping.weights, NULL if shared is None else shared, np.int32(grouping.top_k),
+                np.int32(hidden), out)
+        if after_down and combine_pdl_wanted() and sm90_pdl():
+            launch(kernel("moe.cu", "moe_combine", COMBINE_PDL=1), (num_tokens, column_blocks), (256,), args,
+                   after_previous=True)
+        else:
+            kernel("moe.cu", "moe_combine")((num_tokens, column_blocks), (256,), args)
     return out
 
 
@@ -1349,7 +1374,8 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     if joined is not None:  # the shared experts' side stream
         cupy.cuda.get_current_stream().wait_event(joined)
     if add_norm is None:
-        return combine(y, grouping, shared, int(x.shape[1]))
+        return combine(y, grouping, shared, int(x.shape[1]),
+                       after_down=joined is None and sm90_routed(x, layer.gate_up, grouping))
     residual, weight, eps = add_norm
     if combine_norm_wanted(int(x.shape[0])):
         return combine_add_rms_norm(y, grouping, shared, residual, weight, eps)
@@ -1492,13 +1518,18 @@ def gate_up_silu_gemv(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGr
     return out
 
 
+def sm90_routed(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGroupingDevice) -> bool:
+    """Whether ``routed_experts`` runs both projections on the Hopper kernel (the down projection last)."""
+    return forced_gemv_kernel() is None and sm90_experts(x, gate_up, int(grouping.sorted_slots.size), True)
+
+
 def routed_experts(backend, x: cupy.ndarray, gate_up: ExpertLinear, down: ExpertLinear,
                    grouping: ExpertGroupingDevice) -> cupy.ndarray:
     """The experts' rows in expert order, ``[T·k, H]``: gate_up (gathering token rows), SwiGLU, down,
     each by the kernel the step's slots per expert and the switches choose (``moe_forward``'s middle)."""
-    sm90_gate_up = forced_gemv_kernel() is None and sm90_experts(x, gate_up, int(grouping.sorted_slots.size), True)
-    if sm90_gate_up:
-        activated = grouped_gemm_sm90(x, gate_up, grouping, True, fuse_silu=True)
+    sm90_gate_up = sm90_routed(x, gate_up, grouping)
+    if sm90_gate_up:  # the grouping's kernel ran last on this stream (OPENINFER_MOE_GATE_UP_PDL)
+        activated = grouped_gemm_sm90(x, gate_up, grouping, True, fuse_silu=True, after_grouping=True)
     elif pipelined_gate_up(x, gate_up, grouping, backend.blas):
         activated = fused_gate_up_silu(x, gate_up, grouping)
     elif (silu_gemv := gemv_silu_kernel(x, gate_up, grouping)) is not None:

@@ -143,6 +143,21 @@ SM90_PDL_ENV = "OPENINFER_MOE_SM90_PDL"
 DEFAULT_SM90_PDL = True
 
 
+# OPENINFER_MOE_GATE_UP_PDL (opt-in until measured; =1 on): the gate_up projection too is launched with programmatic
+# stream serialization, right after the routing's grouping kernel, built to wait for it before reading anything
+# (moe_sm90.cu SM90_PDL=2): its launch, CTA start and barrier set-up overlap the grouping kernel's run. The same bits.
+GATE_UP_PDL_ENV = "OPENINFER_MOE_GATE_UP_PDL"
+DEFAULT_GATE_UP_PDL = False
+
+
+def gate_up_pdl() -> bool:
+    """$OPENINFER_MOE_GATE_UP_PDL ("1"/"on" or "0"/"off"; unset: DEFAULT_GATE_UP_PDL; another value: a clear error)."""
+    value = os.environ.get(GATE_UP_PDL_ENV, "").lower()
+    if value not in ("", "0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{GATE_UP_PDL_ENV} must be 1 or 0 (on / off), got {value!r}")
+    return DEFAULT_GATE_UP_PDL if value == "" else value in ("1", "true", "on")
+
+
 def sm90_pdl() -> bool:
     """$OPENINFER_MOE_SM90_PDL ("1"/"on" or "0"/"off"; unset: DEFAULT_SM90_PDL)."""
     value = os.environ.get(SM90_PDL_ENV, "").lower()
@@ -282,8 +297,9 @@ def rotated_units(last_experts: int):
         _rotate_units = before
 
 
-def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl: bool = False, rotate: int = 0):
-    """The moe_grouped_gemm_sm90 build for ``tiles`` (arch_kernel: compiled once; a dry run records it)."""
+def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl: int = 0, rotate: int = 0):
+    """The moe_grouped_gemm_sm90 build for ``tiles`` (arch_kernel: compiled once; a dry run records it); ``pdl``
+    (moe_sm90.cu SM90_PDL): 0 none, 1 (or True) weights before the wait, 2 the wait first."""
     # the default build keeps its define set as before the shapes existed
     extra = {} if tiles == SM90_SHAPES["base"] else {
         "SM90_TILE_M": tiles.tile_m, "SM90_TILE_N": tiles.tile_n, "SM90_SKIP_EMPTY": int(tiles.skip_empty),
@@ -292,15 +308,18 @@ def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl:
         extra["SM90_ROTATE"] = rotate
     if (tiles.stream_k or tiles.k_sub > 1 or pdl) and multicast:
         raise ValueError("moe_sm90's stream-K, wide-k and PDL builds run single CTAs: no multicast")
+    if pdl not in (0, 1, 2):
+        raise ValueError(f"moe_sm90's SM90_PDL build is 0, 1 or 2, got {pdl!r}")
     if pdl:
-        extra["SM90_PDL"] = 1
+        extra["SM90_PDL"] = int(pdl)
     return arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", tiles.shared_bytes(), SM90_STAGES=tiles.stages,
                        SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast), **extra)
 
 
 def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
                       fuse_silu: bool = False, stages: int | None = None, multicast: bool | None = None,
-                      shape: str | None = None, overlap_previous: bool = False) -> cupy.ndarray:
+                      shape: str | None = None, overlap_previous: bool = False,
+                      after_grouping: bool = False) -> cupy.ndarray:
     """``out[p] = A[row(p)] · W_e(p)^T`` (``row(p)``: slot p's token when ``gather``, else p) for
     every slot in expert order, ``[T·k, N]`` bf16; ``fuse_silu`` (gate_up): ``silu(gate)·up``,
     ``[T·k, N/2]``. ``multicast``: CTA pairs share each weight tile (TMA multicast); default from
@@ -308,7 +327,9 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     default ``sm90_shape``), ``stages`` overriding its ring depth. With $OPENINFER_MOE_SM90_PDL the
     build lets the next launch start early, and ``overlap_previous`` launches this one so (the caller
     vouches that the previous kernel on the stream started after this step's routing and grouping
-    completed: gate_up before down). The caller checks ``sm90_ready``."""
+    completed: gate_up before down). ``after_grouping``: the previous kernel on the stream wrote ``grouping`` (the
+    gate_up projection); with $OPENINFER_MOE_GATE_UP_PDL this launch then overlaps it, built to wait for it first
+    (SM90_PDL=2). The caller checks ``sm90_ready``."""
     num_slots = int(grouping.sorted_slots.size)
     if multicast is None:
         multicast = num_slots >= SM90_MULTICAST_MIN_ROWS_PER_EXPERT * weight.num_experts
@@ -324,7 +345,8 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     shared = tiles.shared_bytes()
     if shared > SM90_MAX_SHARED_BYTES:
         raise ValueError(f"moe_sm90 tiles {tiles} need {shared} bytes of shared memory (at most {SM90_MAX_SHARED_BYTES})")
-    pdl = sm90_pdl() and not multicast
+    wait_first = after_grouping and not multicast and gate_up_pdl()
+    pdl = 2 if wait_first else int(sm90_pdl() and not multicast)
     fn = sm90_kernel(tiles, fuse_silu, multicast, pdl, _rotate_units if _rotate_units < weight.num_experts else 0)
     grid = sm90_grid(num_slots, weight, fuse_silu, multicast, tiles)
     args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
@@ -335,7 +357,7 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
         if flags is None:  # first met inside a graph capture: zeros of its own (a memset node before the kernel)
             flags, overlap_previous = cupy.zeros(grid, dtype=cupy.int32), False
         args += (cupy.empty(grid * tiles.tile_m * tiles.tile_n, dtype=cupy.float32), flags)
-    if pdl and overlap_previous:
+    if (pdl == 1 and overlap_previous) or pdl == 2:
         launch_overlapping_previous(fn, grid, tiles.threads, args, shared)
     else:
         fn((grid,), (tiles.threads,), args, shared_mem=shared)

@@ -30,6 +30,7 @@ which ``CudaBackend.weight`` narrows on the device, are always copied at once.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -39,10 +40,34 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
+from openinfer.engine_core.startup import note_event, weights_join_point
+from openinfer.weights import mapped_file_region
+
 CHUNK_BYTES = 8 << 20
 NUM_THREADS = 4
 STAGING_BUFFERS = 2 * NUM_THREADS  # a thread fills one buffer while its previous copy runs
 SMALL_BYTES = 1 << 20  # below this a tensor is copied directly (one synchronous memcpy)
+UPLOAD_THREADS_ENV = "OPENINFER_UPLOAD_THREADS"  # copy threads (default NUM_THREADS)
+# how a chunk of a memory-mapped checkpoint reaches the staging buffer: "map" (default), a memcpy
+# out of the map (each first touch of a page is a page fault); "read", pread() from the file into the
+# staging buffer (the kernel copies out of the page cache: no faults, no page-table entries)
+UPLOAD_READS_ENV = "OPENINFER_UPLOAD_READS"
+
+
+def _env_threads() -> int:
+    value = os.environ.get(UPLOAD_THREADS_ENV, "").strip()
+    if not value:
+        return NUM_THREADS
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{UPLOAD_THREADS_ENV}={value!r}: expected a positive integer")
+    return int(value)
+
+
+def _env_reads() -> bool:
+    value = os.environ.get(UPLOAD_READS_ENV, "map").strip().lower() or "map"
+    if value not in ("map", "read"):
+        raise ValueError(f"{UPLOAD_READS_ENV}={value!r}: expected 'map' or 'read'")
+    return value == "read"
 
 
 @dataclass
@@ -56,10 +81,18 @@ class _Staging:
 class WeightUploader:
     """Copies host arrays into device arrays through a ring of pinned staging buffers."""
 
-    def __init__(self, device_id: int, num_threads: int = NUM_THREADS, chunk_bytes: int = CHUNK_BYTES,
-                 num_buffers: int = STAGING_BUFFERS):
+    def __init__(self, device_id: int, num_threads: int | None = None, chunk_bytes: int = CHUNK_BYTES,
+                 num_buffers: int | None = None, read_files: bool | None = None):
+        """``num_threads`` copy threads (``OPENINFER_UPLOAD_THREADS``, else ``NUM_THREADS``) over
+        ``num_buffers`` staging buffers (twice the threads); ``read_files``: chunks of a
+        memory-mapped file are read from the file (``OPENINFER_UPLOAD_READS=read``)."""
+        num_threads = _env_threads() if num_threads is None else num_threads
+        num_buffers = 2 * num_threads if num_buffers is None else num_buffers
         self.device_id = device_id
         self.chunk_bytes = chunk_bytes
+        self.read_files = _env_reads() if read_files is None else read_files
+        self._files: dict[str, int] = {}  # path -> descriptor, for read_files
+        self._files_lock = threading.Lock()
         self._free: queue.Queue[_Staging] = queue.Queue()
         with cupy.cuda.Device(device_id):
             self._buffers = []
@@ -96,17 +129,29 @@ class WeightUploader:
             return out
         # the device array was allocated on the current stream: make the copies wait for that
         cupy.cuda.get_current_stream().synchronize()
+        region = mapped_file_region(host) if self.read_files else None
+        where = None if region is None else (self._descriptor(region[0]), region[1])
         chunks = [(start, min(self.chunk_bytes, host.nbytes - start)) for start in range(0, host.nbytes, self.chunk_bytes)]
-        used = list(self._pool.map(lambda chunk: self._copy(source, destination, *chunk), chunks))
+        used = list(self._pool.map(lambda chunk: self._copy(source, destination, *chunk, where), chunks))
         for staging in {id(s): s for s in used}.values():
             staging.copied.synchronize()
         return out
 
-    def _copy(self, source: np.ndarray, destination: int, start: int, nbytes: int) -> _Staging:
+    def _descriptor(self, path: str) -> int:
+        with self._files_lock:
+            if path not in self._files:
+                self._files[path] = os.open(path, os.O_RDONLY)
+            return self._files[path]
+
+    def _copy(self, source: np.ndarray, destination: int, start: int, nbytes: int,
+              where: tuple[int, int] | None = None) -> _Staging:
         staging = self._free.get()
         try:
             staging.copied.synchronize()  # its previous copy has left the buffer
-            np.copyto(staging.view[:nbytes], source[start:start + nbytes])
+            if where is None:
+                np.copyto(staging.view[:nbytes], source[start:start + nbytes])
+            else:  # (descriptor, file offset of the tensor): the kernel copies out of the page cache
+                _read_exactly(where[0], staging.view[:nbytes], where[1] + start)
             cupy.cuda.runtime.memcpyAsync(destination + start, staging.view.ctypes.data, nbytes,
                                           cupy.cuda.runtime.memcpyHostToDevice, staging.stream.ptr)
             staging.copied.record(staging.stream)
@@ -115,13 +160,27 @@ class WeightUploader:
         return staging
 
     def close(self) -> None:
-        """Wait for every copy and free the staging buffers."""
+        """Wait for every copy and free the staging buffers (and close the files read)."""
         self._pool.shutdown(wait=True)
         for staging in self._buffers:
             staging.copied.synchronize()
         self._buffers.clear()
         while not self._free.empty():
             self._free.get_nowait()
+        with self._files_lock:
+            for descriptor in self._files.values():
+                os.close(descriptor)
+            self._files.clear()
+
+
+def _read_exactly(descriptor: int, into: np.ndarray, offset: int) -> None:
+    """Fill ``into`` (uint8) with the file's bytes from ``offset`` (pread releases the GIL)."""
+    view, done = memoryview(into), 0
+    while done < len(view):
+        got = os.preadv(descriptor, [view[done:]], offset + done)
+        if got <= 0:
+            raise OSError(f"the checkpoint file ended {len(view) - done} bytes early (truncated while loading?)")
+        done += got
 
 
 _uploaders: dict[int, WeightUploader] = {}
@@ -152,15 +211,25 @@ class DeferredUploads:
             import time
 
             began = time.perf_counter()
+            note_event("weight_copies_started")
             try:
                 for device_id, host, out, offset in self.copies:
                     with cupy.cuda.Device(device_id):
                         uploader(device_id).upload(host, out, offset)
-                cupy.cuda.runtime.deviceSynchronize()
+                if beside_captures:  # a device-wide sync is no call to make while another thread captures
+                    for device_id in {copy[0] for copy in self.copies}:
+                        with cupy.cuda.Device(device_id):
+                            # large copies were waited for by upload(); small ones ran on the legacy stream
+                            cupy.cuda.Stream.null.synchronize()
+                else:
+                    cupy.cuda.runtime.deviceSynchronize()
             except BaseException as error:  # noqa: BLE001 — handed to wait()
                 self._error = error
             self.seconds = time.perf_counter() - began
+            note_event("weight_copies_done")
 
+        # OPENINFER_WEIGHTS_JOIN=serve: graph captures may run while the copies do
+        beside_captures = weights_join_point() == "serve"
         # everything queued so far (kernels on memory the pool then gave to a queued ``out``) ends
         # before the thread writes; later work never touches the model's arrays
         cupy.cuda.runtime.deviceSynchronize()

@@ -10,6 +10,7 @@ bf16 (correct, just not packed).
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from typing import Any
 
@@ -110,9 +111,45 @@ class CudaLinearBuilder(LinearBuilder):
         return self.backend.weight(parts[0] if len(parts) == 1 else np.concatenate(parts))
 
 
+# Opt-in until measured: $OPENINFER_KIMI_DENSE_GEMV=<a tensor-core decode GEMV of moe.GEMV_KERNELS: mma, mma_split2,
+# mma_split4, ...> runs the bf16 dense projections of steps of 2..DENSE_GEMV_MAX_ROWS rows (q / kv_a, o_proj, the dense
+# layers; not the LM head: at most DENSE_GEMV_MAX_OUT output rows) as that decode GEMV (moe_gemv_mma over the weight
+# as one expert: one pass over the weights for 16 token rows; split K: more blocks) instead of cuBLAS, which reads
+# these weights at 25-42 % of the copy bandwidth at 16 rows (Moonlight ledger, s11 D3: q+kv_a 8.7 us for 15 MB,
+# o_proj 8.1 us for 8.4 MB, event-timed eager). Products summed in another order: other bits than cuBLAS's.
+DENSE_GEMV_ENV = "OPENINFER_KIMI_DENSE_GEMV"
+DENSE_GEMV_MAX_ROWS = 32  # moe.GEMV_ROW_LIMITS of the tensor-core GEMVs
+DENSE_GEMV_MAX_OUT = 32768
+
+
+def dense_gemv_kernel(x: cupy.ndarray, weight: Any) -> str | None:
+    """The decode GEMV $OPENINFER_KIMI_DENSE_GEMV asks for ``x @ weight^T`` (a bf16 ``CudaLinear``), or None (unset,
+    or the step / weight outside DENSE_GEMV_ENV's bounds, or unaligned rows); a name that is not a tensor-core GEMV
+    is a clear error."""
+    name = os.environ.get(DENSE_GEMV_ENV, "")
+    if not name or name == "0":
+        return None
+    if name not in cuda_moe.TENSOR_CORE_GEMVS:
+        raise ValueError(f"{DENSE_GEMV_ENV} is one of {', '.join(cuda_moe.TENSOR_CORE_GEMVS)} (or 0 / unset: cuBLAS); "
+                         f"got {name!r}")
+    w = getattr(weight, "weight", None)
+    if (w is None or getattr(weight, "bias", None) is not None or w.ndim != 2 or w.dtype != cupy.uint16
+            or x.ndim != 2 or not 2 <= x.shape[0] <= DENSE_GEMV_MAX_ROWS or w.shape[0] > DENSE_GEMV_MAX_OUT
+            or w.shape[1] % 8 or not w.flags.c_contiguous or w.data.ptr % 16):
+        return None
+    return name
+
+
 def cuda_linear(ops: Any, x: cupy.ndarray, weight: Any) -> cupy.ndarray:
     if isinstance(weight, ExpertLinear):
         return cuda_moe.quantized_linear(x, weight, ops.blas)
+    name = dense_gemv_kernel(x, weight)
+    if name is not None:
+        x = cupy.ascontiguousarray(x)
+        if x.data.ptr % 16 == 0:
+            as_expert = ExpertLinear("bf16", weight.weight[None], None, int(weight.weight.shape[0]),
+                                     int(weight.weight.shape[1]))
+            return cuda_moe.quantized_linear(x, as_expert, None, "gemv", gemv_kernel=name)
     return ops.linear(x, weight)
 
 

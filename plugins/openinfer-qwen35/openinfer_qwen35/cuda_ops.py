@@ -111,7 +111,7 @@ from typing import Any, NamedTuple
 import cupy
 import numpy as np
 
-from openinfer.backend.cuda import kernel_include_options
+from openinfer.backend.cuda import loader
 from openinfer_qwen35.config import Qwen35Config
 from openinfer_qwen35.gated_deltanet import CHUNK_SIZE, chunk_layout
 from openinfer_qwen35.kernel_plan import KernelPlan
@@ -119,7 +119,8 @@ from openinfer_qwen35.state import SnapshotSplit, StepSequences, step_snapshots
 from openinfer_qwen35.weights import DeltaNetWeights
 
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
-SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec_rows", "gdn_conv_state", "gdn_delta_rule",
+SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec_rows", "gdn_conv_state", "gdn_conv_snapshot",
+                                 "gdn_delta_rule",
                                  "gdn_delta_rule_rows",
                                  "gdn_gated_norm",
                                  "gdn_gated_norm_warp", "gdn_gated_norm_vec", "gdn_gated_norm_rows", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
@@ -128,9 +129,10 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec
                               "gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma",
                               "gdn_chunk_prepare_grouped_conv", "gdn_chunk_prepare_grouped_coalesced",
                               "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_states_registers",
+                              "gdn_chunk_states_snapshot", "gdn_chunk_states_registers_snapshot",
                               "gdn_chunk_output", "gdn_chunk_output_norm", "gdn_chunk_output_staged"),
            "gdn_chunked_fp32.cu": ("gdn_chunk_prepare_fp32", "gdn_chunk_walk_fp32"),
-           "gdn_chunked_split.cu": ("gdn_chunk_prepare_split", "gdn_chunk_walk_split"),
+           "gdn_chunked_split.cu": ("gdn_chunk_prepare_split", "gdn_chunk_walk_split", "gdn_chunk_walk_split_f16"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
                              "gdn_decode_step_vec4", "gdn_decode_step_bulk")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
@@ -204,16 +206,22 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    # a mixed step's one-token rows token by token (gdn_delta_rule_rows: fp32 state, the
                    # accuracy reference) instead of a one-row chunk each
                    "chunked_split": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split", False,
-                                                   "gdn_gated_norm_vec", True)}
+                                                   "gdn_gated_norm_vec", True, "gdn_chunk_walk_split"),
+                   # chunked_split with the walk's operands as fp16 hi / lo (lo scaled by 2^11) parts
+                   "chunked_split_f16": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split", False,
+                                                       "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16")}
 FP32_PREPARE_KERNEL = "gdn_chunk_prepare_fp32"  # gdn_chunked_fp32.cu: its own walk (gdn_chunk_walk_fp32)
 FP32_CHUNKED_MAX_KEY_HEAD_DIM = 128  # its walk's shared q / k / W tiles [64][DK + 1] fp32 (and S, P, U) fit 227 KiB
 FP32_WALK_TILE = 32  # value channels a gdn_chunk_walk_fp32 block
 FP32_THREADS = 256
 SPLIT_PREPARE_KERNEL = "gdn_chunk_prepare_split"  # gdn_chunked_split.cu: its own walk (gdn_chunk_walk_split)
 SPLIT_WALK_TILE = 32  # value channels a gdn_chunk_walk_split block
+# the split chain's walks (PrefillKernels.states): bf16 hi / mid / lo operand parts, or fp16 hi / lo
+SPLIT_WALK_KERNELS = ("gdn_chunk_walk_split", "gdn_chunk_walk_split_f16")
 SPLIT_THREADS = 128
 # the kernels of gdn_chunked.cu whose operands follow GDN_F16_OPERANDS (the others assume bf16 ones)
 F16_OPERAND_KERNELS = frozenset({"gdn_chunk_prepare_grouped_mma", "gdn_chunk_states", "gdn_chunk_states_registers",
+                                 "gdn_chunk_states_snapshot", "gdn_chunk_states_registers_snapshot",
                                  "gdn_chunk_output_staged"})
 VEC_NORM_VALUE_HEAD_DIMS = (64, 128, 256)  # gdn_gated_norm_vec: a head's dv / 8 lanes within a warp, a power of two
 CONV_PREPARE_KERNEL = "gdn_chunk_prepare_grouped_conv"  # convolves its rows itself (conv width compiled in)
@@ -262,13 +270,32 @@ DEFAULT_PREFILL_KERNELS = "grouped_staged"
 DEFAULT_DECODE_KERNEL = "vec4"
 
 
-@functools.cache
-def _module(source: str, key_head_dim: int, conv_width: int = 0, f16_operands: bool = False) -> cupy.RawModule:
-    code = (KERNEL_DIR / source).read_text()
-    width = (f"-DCONV_WIDTH={conv_width}",) if conv_width else ()
-    f16 = ("-DGDN_F16_OPERANDS",) if f16_operands else ()
-    return cupy.RawModule(code=code, options=("-std=c++17", *kernel_include_options(KERNEL_DIR),
-                                              f"-DDK={key_head_dim}", f"-DSPLIT={SPLIT}", *width, *f16))
+_extra_defines: dict[str, int] = {}  # defines_added's: a diagnostic build's
+
+
+@contextlib.contextmanager
+def defines_added(**defines: int) -> Iterator[None]:
+    """Within: every kernel built with the extra ``-DNAME=value`` defines (a benchmark's diagnostic
+    build); kernels with other defines are other modules, so nothing outside the block sees them."""
+    previous = dict(_extra_defines)
+    _extra_defines.update(defines)
+    kernel.cache_clear()
+    try:
+        yield
+    finally:
+        _extra_defines.clear()
+        _extra_defines.update(previous)
+        kernel.cache_clear()
+
+
+def _kernel_key(name: str, key_head_dim: int = 128, conv_width: int = 0, f16_operands: bool = False) -> Any:
+    """The core loader's key of kernel ``name``: its source file and defines (see ``kernel``)."""
+    defines = {"DK": key_head_dim, "SPLIT": SPLIT, **_extra_defines}
+    if conv_width:
+        defines["CONV_WIDTH"] = conv_width
+    if f16_operands:
+        defines["GDN_F16_OPERANDS"] = 1
+    return loader.kernel_key(KERNEL_DIR / SOURCE_OF[name], name, **defines)
 
 
 @functools.cache
@@ -277,10 +304,12 @@ def kernel(name: str, key_head_dim: int = 128, shared_bytes: int = 0, conv_width
     """Kernel ``name`` compiled for ``key_head_dim`` (and ``conv_width`` when non-zero: a
     compile-time conv width; ``f16_operands``: gdn_chunked.cu's intermediates in fp16, only
     F16_OPERAND_KERNELS); ``shared_bytes`` above 48 KiB of dynamic shared memory is opted
-    into once here."""
+    into once here. Built by the core loader, one kernel a module (``start_builds`` begins them
+    all in the background before the weights load)."""
     if f16_operands and name not in F16_OPERAND_KERNELS:
         raise ValueError(f"{name} takes bf16 operands only (fp16 ones: {sorted(F16_OPERAND_KERNELS)})")
-    function = _module(SOURCE_OF[name], key_head_dim, conv_width, f16_operands).get_function(name)
+    source, _, defines = _kernel_key(name, key_head_dim, conv_width, f16_operands)
+    function = loader.kernel(source, name, **dict(defines))
     if shared_bytes > 48 * 1024:
         function.max_dynamic_shared_size_bytes = shared_bytes
     return function
@@ -392,15 +421,16 @@ def chunked_fp32_shared_bytes(dk: int, dv: int) -> tuple[int, int]:
     return prepare, walk
 
 
-def chunked_split_shared_bytes(dk: int, dv: int) -> tuple[int, int]:
-    """gdn_chunk_prepare_split's and gdn_chunk_walk_split's dynamic shared memory (their carves, in order):
-    75 / 82 KB at the 4B shape."""
+def chunked_split_shared_bytes(dk: int, dv: int, walk: str = "gdn_chunk_walk_split") -> tuple[int, int]:
+    """gdn_chunk_prepare_split's and ``walk``'s (of SPLIT_WALK_KERNELS) dynamic shared memory (their carves, in
+    order): 75 / 82 KB at the 4B shape (the fp16 walk's two state planes instead of three: 73 KB)."""
     chunk, row_h, row_c = CHUNK_SIZE, dk + 8, CHUNK_SIZE + 8
     rows_then_solve = max(2 * 2 * chunk * row_h, 4 * 2 * chunk * row_c)  # q / k rows, then A and T in their place
     prepare = rows_then_solve + 2 * (dk * row_c + dv * row_c) + 4 * 4 * chunk + 8 * chunk
-    walk = (4 * (SPLIT_WALK_TILE * row_c + chunk * (SPLIT_WALK_TILE + 8) + 3 * chunk)
-            + 2 * (3 * SPLIT_WALK_TILE * row_h + chunk * row_h + dk * row_c))
-    return prepare, walk
+    planes = 2 if walk == "gdn_chunk_walk_split_f16" else 3
+    walk_bytes = (4 * (SPLIT_WALK_TILE * row_c + chunk * (SPLIT_WALK_TILE + 8) + 3 * chunk)
+                  + 2 * (planes * SPLIT_WALK_TILE * row_h + chunk * row_h + dk * row_c))
+    return prepare, walk_bytes
 
 
 def _round_128(size: int) -> int:
@@ -544,41 +574,74 @@ def arrival_counters(config: Qwen35Config) -> cupy.ndarray:
 
 
 
-def warm_up(config: Qwen35Config) -> None:
-    """Compile the kernels this config runs and allocate the decode counters — before any CUDA
-    graph capture, which must neither compile nor allocate outside its pool."""
-    dk = config.linear_key_head_dim
-    for name in SOURCES["gated_deltanet.cu"]:
-        kernel(name, dk)
-    if 2 <= config.linear_conv_kernel_dim <= MAX_CONV_WIDTH:
-        kernel("gdn_conv1d_vec", dk, 0, config.linear_conv_kernel_dim)
+def start_up_kernels(config: Qwen35Config) -> list[tuple[str, int, int, bool]]:
+    """``(name, key head dim, conv width, f16 operands)`` of every kernel ``config`` runs: the fused
+    decode, the chosen prefill variant's, and those every variant shares (the rows' conv, norms)."""
+    dk, width = config.linear_key_head_dim, config.linear_conv_kernel_dim
+    found = [(name, dk, 0, False) for name in SOURCES["gated_deltanet.cu"]]
+    if 2 <= width <= MAX_CONV_WIDTH:
+        found.append(("gdn_conv1d_vec", dk, width, False))
     if chunked_supported(config):
-        for name in ("gdn_chunk_prepare", *STAGED_PREPARE_KERNELS):
-            kernel(name, dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim,
-                                                        name in STAGED_PREPARE_KERNELS))
-        kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
-        kernel("gdn_chunk_states", dk, chunk_states_shared_bytes(dk))
+        found += [(name, dk, 0, False) for name in ("gdn_chunk_prepare", *STAGED_PREPARE_KERNELS, "gdn_chunk_scan",
+                                                     "gdn_chunk_states", "gdn_chunk_output", "gdn_chunk_output_norm")]
         if dk <= REGISTER_STATES_MAX_KEY_HEAD_DIM:
-            kernel("gdn_chunk_states_registers", dk,
-                   chunk_states_registers_shared_bytes(dk, config.linear_value_head_dim))
+            found.append(("gdn_chunk_states_registers", dk, 0, False))
+        found += [(name + SNAPSHOT_WALK_SUFFIX, dk, 0, False) for name in ("gdn_chunk_states", "gdn_chunk_states_registers")
+                  if name == "gdn_chunk_states" or dk <= REGISTER_STATES_MAX_KEY_HEAD_DIM]  # the walks storing snapshots
+        chosen = prefill_kernels(config, 8)  # a row stride in eights: the in_proj widths that serve
+        f16 = chosen.f16_operands
+        for name in (chosen.conv, chosen.norm, chosen.prepare, chosen.states, chosen.output):
+            conv_width = width if name == CONV_PREPARE_KERNEL else 0
+            found.append((name, dk, conv_width, f16 and name in F16_OPERAND_KERNELS))
+        if chosen.prepare == FP32_PREPARE_KERNEL:  # their own sources
+            found.append(("gdn_chunk_walk_fp32", dk, 0, False))
+        if chosen.prepare == SPLIT_PREPARE_KERNEL:
+            found.append(("gdn_chunk_walk_split", dk, 0, False))
+    if fused_decode_supported(config):
+        chosen_decode = decode_kernel(config)
+        found += [(name, dk, width, False) for name in DECODE_KERNELS.values()
+                  if name != DECODE_KERNELS["bulk"] or chosen_decode == name]  # bulk (opt-in): only when chosen
+    return list(dict.fromkeys(found))
+
+
+def start_builds(config: Qwen35Config) -> int:
+    """Begin building ``config``'s kernels in background threads now, before the weights load (the
+    core loader's one-kernel modules: NVRTC releases the GIL); ``warm_up`` waits for them. Returns
+    how many builds started."""
+    keys = [_kernel_key(*found) for found in start_up_kernels(config)]
+    return loader.start_compiling(keys, cupy.cuda.Device().id)
+
+
+def warm_up(config: Qwen35Config) -> None:
+    """Compile the kernels this config runs (in parallel, or wait for ``start_builds``' builds) and
+    allocate the decode counters — before any CUDA graph capture, which must neither compile nor
+    allocate outside its pool."""
+    kernels = start_up_kernels(config)
+    loader.compile_kernels([_kernel_key(*found) for found in kernels], cupy.cuda.Device().id)
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    if chunked_supported(config):  # the kernels taking more than 48 KiB of shared memory opt in once
+        for name in ("gdn_chunk_prepare", *STAGED_PREPARE_KERNELS):
+            kernel(name, dk, chunk_prepare_shared_bytes(dk, dv, name in STAGED_PREPARE_KERNELS))
+        kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
+        for suffix in ("", SNAPSHOT_WALK_SUFFIX):
+            kernel("gdn_chunk_states" + suffix, dk, chunk_states_shared_bytes(dk))
+            if dk <= REGISTER_STATES_MAX_KEY_HEAD_DIM:
+                kernel("gdn_chunk_states_registers" + suffix, dk, chunk_states_registers_shared_bytes(dk, dv))
         kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
         kernel("gdn_chunk_output_norm", dk, chunk_output_shared_bytes(dk))
-        choice = os.environ.get(PREFILL_ENV, "").strip().lower() or DEFAULT_PREFILL_KERNELS
-        if choice in PREFILL_KERNELS and PREFILL_KERNELS[choice].f16_operands:  # its own module
-            _module(SOURCE_OF["gdn_chunk_states"], dk, 0, True)
-        if (choice in PREFILL_KERNELS and PREFILL_KERNELS[choice].prepare == FP32_PREPARE_KERNEL
-                and dk <= FP32_CHUNKED_MAX_KEY_HEAD_DIM):  # its own source
-            prepare_bytes, walk_bytes = chunked_fp32_shared_bytes(dk, config.linear_value_head_dim)
+        prepare = prefill_kernels(config, 8).prepare
+        if prepare == FP32_PREPARE_KERNEL and dk <= FP32_CHUNKED_MAX_KEY_HEAD_DIM:
+            prepare_bytes, walk_bytes = chunked_fp32_shared_bytes(dk, dv)
             kernel(FP32_PREPARE_KERNEL, dk, prepare_bytes)
             kernel("gdn_chunk_walk_fp32", dk, walk_bytes)
-        if choice in PREFILL_KERNELS and PREFILL_KERNELS[choice].prepare == SPLIT_PREPARE_KERNEL:  # its own source
-            prepare_bytes, walk_bytes = chunked_split_shared_bytes(dk, config.linear_value_head_dim)
+        if prepare == SPLIT_PREPARE_KERNEL:
+            prepare_bytes, walk_bytes = chunked_split_shared_bytes(dk, dv)
             kernel(SPLIT_PREPARE_KERNEL, dk, prepare_bytes)
             kernel("gdn_chunk_walk_split", dk, walk_bytes)
     if fused_decode_supported(config):
         chosen = decode_kernel(config)
         for name in DECODE_KERNELS.values():
-            if name != DECODE_KERNELS["bulk"] or chosen == name:  # bulk (opt-in): only when chosen
+            if name != DECODE_KERNELS["bulk"] or chosen == name:
                 _decode_function(name, config)
         arrival_counters(config)
 
@@ -689,6 +752,72 @@ def prepare_split(split: SnapshotSplit) -> SnapshotSplit:
                          order, inverse, views[8], views[9], split.pairs)
 
 
+SNAPSHOT_EMIT_ENV = "OPENINFER_QWEN35_SNAPSHOT_EMIT"  # "1" / "0": the state walk writes in-step snapshots / a split
+SNAPSHOT_WALK_SUFFIX = "_snapshot"  # gdn_chunk_states{,_registers}_snapshot: the walks that store a boundary's state
+# the switch's default: the measurement decides (see benchmarks/GPU.md, #17, the session of 22:43 UTC)
+DEFAULT_SNAPSHOT_EMIT = False
+
+
+def snapshot_emit() -> bool:
+    """``OPENINFER_QWEN35_SNAPSHOT_EMIT`` (read each step), else ``DEFAULT_SNAPSHOT_EMIT``."""
+    value = os.environ.get(SNAPSHOT_EMIT_ENV, "").strip().lower()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{SNAPSHOT_EMIT_ENV}={value!r}: expected '1' or '0'")
+    return DEFAULT_SNAPSHOT_EMIT if not value else value == "1"
+
+
+def writes_snapshots(seqs: StepSequences, config: Qwen35Config) -> bool:
+    """Whether ``delta_net`` writes this step's in-step snapshots (``seqs.snapshots``) itself, in
+    the layer's one run: the chunked path with a state walk that stores the state at a boundary
+    (``gdn_chunk_states{,_registers}_snapshot``: the chunk layout cut there, the fp32 S entering
+    that chunk into the snapshot slot) and ``gdn_conv_snapshot`` for the conv window. Otherwise
+    (switched off, the token-by-token path, a prefill variant whose walk does not store it: the
+    plain scan, chunked_fp32, chunked_split) the model runs each GDN layer in two parts around the
+    boundary (``state.split_at_snapshots``). A variant can emit once its walk takes the two
+    arrays of the *_snapshot walks (``snapshot_chunk``, ``snapshot_slot``: see gdn_chunked.cu)."""
+    if seqs.snapshots is None or seqs.query_start is None or not snapshot_emit():
+        return False
+    if use_recurrent_kernels() or not chunked_supported(config):
+        return False
+    if int(np.diff(np.asarray(seqs.query_start)).max()) < CHUNKED_MIN_TOKENS:
+        return False  # the token-by-token path
+    nv = config.linear_num_value_heads
+    return _walk_stores_snapshots(prefill_kernels(config, config.conv_dim + config.linear_value_dim + 2 * nv))
+
+
+def _walk_stores_snapshots(prefill: PrefillKernels) -> bool:
+    """Whether ``prefill``'s chunk walk has a *_snapshot entry point (the split scan's walks)."""
+    return prefill.split_scan and prefill.prepare not in (FP32_PREPARE_KERNEL, SPLIT_PREPARE_KERNEL)
+
+
+def _snapshot_walk_arrays(seqs: StepSequences, walk_seq_ids: np.ndarray | None,
+                          seq_chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per sequence of the walk (``walk_seq_ids``: the step's sequence of each; None: all): the chunk
+    entering which the walk stores the state (-1 none) and the snapshot slot (0 none)."""
+    num = len(seq_chunks) - 1
+    chunk, slot = np.full(num, -1, np.int64), np.zeros(num, np.int64)
+    position = (np.arange(num) if walk_seq_ids is None
+                else np.full(len(seqs.slots), -1, np.int64))
+    if walk_seq_ids is not None:
+        position[np.asarray(walk_seq_ids, np.int64)] = np.arange(num)
+    for seq, cut, snapshot in np.asarray(seqs.snapshots, np.int64).reshape(-1, 3):
+        k = int(position[seq])
+        if k < 0:
+            raise ValueError(f"a state snapshot in sequence {seq}, which the chunked walk does not run")
+        chunk[k] = int(seq_chunks[k]) + -(-int(cut) // CHUNK_SIZE)
+        slot[k] = snapshot
+    return chunk, slot
+
+
+def _snapshot_cuts(seqs: StepSequences, walk_seq_ids: np.ndarray | None) -> np.ndarray:
+    """Per sequence of the walk: rows before its snapshot's boundary (0: none), for ``chunk_layout``."""
+    ids = np.arange(len(seqs.slots)) if walk_seq_ids is None else np.asarray(walk_seq_ids, np.int64)
+    cut_of = np.zeros(len(seqs.slots), np.int64)
+    snapshots = np.asarray(seqs.snapshots, np.int64).reshape(-1, 3)
+    cut_of[snapshots[:, 0]] = snapshots[:, 1]
+    return cut_of[ids]
+
+
 def device_sequences(batch: Any) -> StepSequences:
     """The step's sequences straight from a ``CudaBatch``'s device arrays: slots from
     ``batch.state_slots``, ``fresh`` where the context starts with this step (or is empty: a
@@ -777,6 +906,17 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
                 (_blocks(num_seqs * conv_dim),), (256,),
                 (proj, stride, conv_state, device["query_start"], device["slots"], device["fresh"], np.int32(num_seqs),
                  np.int32(conv_dim), np.int32(width)))
+
+    snapshots = seqs.snapshots  # in-step snapshots written in this one run (``writes_snapshots``)
+    if snapshots is not None:
+        if not (chunked_step and _walk_stores_snapshots(prefill)):
+            raise ValueError("delta_net got state snapshots inside the step but its kernels cannot write them "
+                             "(writes_snapshots is False): split the step (state.split_at_snapshots)")
+        rows = _step_cached(seqs, "qwen35_snapshot_rows", lambda: upload_int32(snapshots)[0])
+        # the conv windows at the boundaries, read before gdn_conv_state rewrites the live ones
+        _launch("gdn_conv_snapshot", kernel("gdn_conv_snapshot", dk), (_blocks(len(snapshots) * conv_dim),), (256,),
+                (proj, stride, conv_state, device["query_start"], device["slots"], device["fresh"], rows,
+                 np.int32(len(snapshots)), np.int32(conv_dim), np.int32(width)))
 
     conv_in_prepare = prefill.prepare == CONV_PREPARE_KERNEL
     if conv_in_prepare:  # only the one-token rows here; the prepare convolves the chunked rows
@@ -872,7 +1012,8 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     ``core`` gets the output O (the layer's gated-normed output when ``prefill.output`` norms it),
     the slots the new state. ``conv`` (the conv state slots, the conv width and a launch of
     gdn_conv_state) when ``prefill.prepare`` convolves the rows itself: the windows are updated
-    right after it."""
+    right after it. ``seqs.snapshots`` (in-step snapshots, ``writes_snapshots``): the layout cut at
+    each boundary and the state walk's *_snapshot entry point stores the state there."""
     nk, nv, dk, dv = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                       config.linear_value_head_dim)
     num_tokens = proj.shape[0]
@@ -884,16 +1025,27 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
         num_seqs = len(host_ids)
         slots, fresh = slots[device_ids], fresh[device_ids]
 
+    snapshots, walk_ids = seqs.snapshots, None if subset is None else subset[0]
+
     def make_layout() -> tuple[int, cupy.ndarray]:
-        chunk_start, chunk_len, seq_chunks = (chunk_layout(seqs.query_start) if subset is None
-                                              else chunk_layout(seqs.query_start, seq_ids=subset[0]))
-        return len(chunk_start), upload_int32(np.concatenate([chunk_start, chunk_len, seq_chunks]))[0]
+        cuts = None if snapshots is None else _snapshot_cuts(seqs, walk_ids)
+        chunk_start, chunk_len, seq_chunks = chunk_layout(seqs.query_start, seq_ids=walk_ids, cuts=cuts)
+        sections = [chunk_start, chunk_len, seq_chunks]
+        if snapshots is not None:  # each walk sequence's snapshot chunk (-1 none) and slot
+            sections += _snapshot_walk_arrays(seqs, walk_ids, seq_chunks)
+        return len(chunk_start), upload_int32(np.concatenate(sections))[0]
 
     # the same every layer of the step (the subset is always the step's chunked sequences)
     num_chunks, layout = _step_cached(seqs, "qwen35_chunk_layout" + ("" if subset is None else "_subset"), make_layout)
-    starts, lengths, per_seq = layout[:num_chunks], layout[num_chunks : 2 * num_chunks], layout[2 * num_chunks :]
+    starts, lengths = layout[:num_chunks], layout[num_chunks : 2 * num_chunks]
+    per_seq = layout[2 * num_chunks : 2 * num_chunks + num_seqs + 1]
+    snapshot_args = () if snapshots is None else (layout[2 * num_chunks + num_seqs + 1 : 2 * num_chunks + 2 * num_seqs + 1],
+                                                  layout[2 * num_chunks + 2 * num_seqs + 1 :])
+    if snapshots is not None and not _walk_stores_snapshots(prefill):
+        raise ValueError(f"the {prefill.prepare} chain's walk does not store in-step snapshots")
     if prefill.prepare == SPLIT_PREPARE_KERNEL:  # the split-operand chain: its prepare and walk, fp32 arrays
-        prepare_bytes, walk_bytes = chunked_split_shared_bytes(dk, dv)
+        walk = prefill.states if prefill.states in SPLIT_WALK_KERNELS else SPLIT_WALK_KERNELS[0]
+        prepare_bytes, walk_bytes = chunked_split_shared_bytes(dk, dv, walk)
         norms = cupy.empty((num_tokens, nk, 2), dtype=cupy.float32)
         w32, u32 = cupy.empty((num_tokens, nv, dk), dtype=cupy.float32), cupy.empty((num_tokens, nv, dv), cupy.float32)
         p32 = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.float32)
@@ -902,7 +1054,7 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
                 (SPLIT_THREADS,), (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts,
                                    lengths, norms, w32, u32, p32, cum32, np.int32(nk), np.int32(nv), np.int32(dv)),
                 shared_mem=prepare_bytes)
-        _launch("gdn_chunk_walk_split", kernel("gdn_chunk_walk_split", dk, walk_bytes),
+        _launch(walk, kernel(walk, dk, walk_bytes),
                 (dv // SPLIT_WALK_TILE, num_seqs, nv), (SPLIT_THREADS,),
                 (conv_out, norms, w32, u32, p32, cum32, starts, lengths, per_seq, slots, fresh, ssm_state, core,
                  np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=walk_bytes)
@@ -957,18 +1109,19 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
                         else chunk_output_shared_bytes(dk))
         if prefill.states == "gdn_chunk_states_registers" and not register_walk_fills_gpu(dv, num_seqs * nv):
             prefill = prefill._replace(states=PrefillKernels._field_defaults["states"])
+        states_name = prefill.states + (SNAPSHOT_WALK_SUFFIX if snapshot_args else "")
         if prefill.states == "gdn_chunk_states_registers":
             warps = register_states_warps(dv)
             states_bytes = chunk_states_registers_shared_bytes(dk, dv)
-            states_kernel = kernel(prefill.states, dk, states_bytes, f16_operands=f16)
+            states_kernel = kernel(states_name, dk, states_bytes, f16_operands=f16)
             states_grid, states_block = (num_seqs, nv, dv // (16 * warps)), (32 * warps,)
         else:
             states_bytes = chunk_states_shared_bytes(dk)
-            states_kernel = kernel(prefill.states, dk, states_bytes, f16_operands=f16)
+            states_kernel = kernel(states_name, dk, states_bytes, f16_operands=f16)
             states_grid, states_block = (num_seqs, nv, dv // SCAN_TILE), (128,)
-        _launch(prefill.states, states_kernel, states_grid, states_block,
+        _launch(states_name, states_kernel, states_grid, states_block,
                 (kn, w_chunks, u_chunks, cum, starts, lengths, per_seq, slots, fresh, ssm_state, states, v_new,
-                 np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=states_bytes)
+                 np.int32(nk), np.int32(nv), np.int32(dv), *snapshot_args), shared_mem=states_bytes)
         output_args = (qn, p_chunks, cum, states, v_new, starts, lengths, core, np.int32(nk), np.int32(nv),
                        np.int32(dv))
         if prefill.output == "gdn_chunk_output_norm":
@@ -1056,8 +1209,22 @@ def add_rms_norm(x: cupy.ndarray, residual: cupy.ndarray, weight: cupy.ndarray,
     return out, summed
 
 
+@functools.cache
+def _vector_stream(device_id: int) -> cupy.cuda.Stream:
+    with cupy.cuda.Device(device_id):
+        return cupy.cuda.Stream(non_blocking=True)
+
+
 def _fp32_device(array: np.ndarray) -> cupy.ndarray:
-    return cupy.asarray(np.ascontiguousarray(array, dtype=np.float32))
+    """A small fp32 vector (norm weights, the GDN decay parameters) on the device, copied on a
+    non-blocking stream of its own: on the legacy default stream each copy waited for every weight
+    copy in flight (113 vectors x ~30 ms = 3.3 s of the 4B shape's load, D1 2026-11-24)."""
+    host = np.ascontiguousarray(array, dtype=np.float32)
+    stream = _vector_stream(cupy.cuda.Device().id)
+    with stream:
+        device = cupy.asarray(host)
+    stream.synchronize()
+    return device
 
 
 CUDA_PLAN = KernelPlan(
@@ -1069,7 +1236,8 @@ CUDA_PLAN = KernelPlan(
     step_sequences=device_sequences,
     prepare_split=prepare_split,
     copy_state_rows=copy_state_rows,
-    warm_up=warm_up,
+    writes_snapshots=writes_snapshots,
+    warm_up=warm_up, start_builds=start_builds,
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,
     norm_weight=_fp32_device,

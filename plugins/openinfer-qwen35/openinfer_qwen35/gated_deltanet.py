@@ -90,22 +90,33 @@ def causal_conv1d_step(x: np.ndarray, weight: np.ndarray, conv_states: np.ndarra
 # --- the gated delta rule ----------------------------------------------------------------------
 
 
-def chunk_layout(query_start: np.ndarray, chunk_size: int = CHUNK_SIZE,
-                 seq_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def chunk_layout(query_start: np.ndarray, chunk_size: int = CHUNK_SIZE, seq_ids: np.ndarray | None = None,
+                 cuts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The chunks of a step's sequences (rows ``query_start[s]:query_start[s+1]``), as the CUDA
     chunked prefill walks them: ``(chunk_start [N], chunk_len [N], seq_chunks [B+1])`` int32 —
     each sequence's tokens cut into chunks of ``chunk_size`` from its first row (the last one
     shorter), sequence s owning chunks ``seq_chunks[s]:seq_chunks[s+1]``. With ``seq_ids``, only
-    those sequences, in that order (``seq_chunks`` then indexes ``seq_ids``)."""
+    those sequences, in that order (``seq_chunks`` then indexes ``seq_ids``). ``cuts``: per
+    sequence (of ``seq_ids`` when given), rows before a boundary where a chunk must start (0: none):
+    its chunks run from its first row to the boundary, then from the boundary on — the layout of a
+    run stopping there and one continuing, so the state entering chunk ``seq_chunks[s] +
+    ceil(cut / chunk_size)`` is the state at the boundary (a prefix-cache snapshot's)."""
     query_start = np.asarray(query_start, np.int64)
     ids = np.arange(len(query_start) - 1) if seq_ids is None else np.asarray(seq_ids, np.int64)
     firsts, ends = query_start[ids], query_start[ids + 1]
-    counts = -(-(ends - firsts) // chunk_size)
+    if cuts is None:
+        piece_first, piece_end, pieces = firsts, ends, 1
+    else:  # each sequence as two pieces: up to the boundary (empty when no cut), then from it
+        mids = firsts + np.asarray(cuts, np.int64)
+        piece_first, piece_end, pieces = np.stack([firsts, mids], 1).ravel(), np.stack([mids, ends], 1).ravel(), 2
+    piece_counts = -(-(piece_end - piece_first) // chunk_size)
+    counts = piece_counts.reshape(-1, pieces).sum(1)
     seq_chunks = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    owner = np.repeat(np.arange(len(ids)), counts)
-    index = np.arange(int(seq_chunks[-1])) - seq_chunks[owner]  # chunk number within its sequence
-    chunk_start = firsts[owner] + index * chunk_size
-    chunk_len = np.minimum(chunk_size, ends[owner] - chunk_start)
+    piece_chunks = np.concatenate([[0], np.cumsum(piece_counts)])
+    owner = np.repeat(np.arange(len(piece_counts)), piece_counts)
+    index = np.arange(int(piece_chunks[-1])) - piece_chunks[owner]  # chunk number within its piece
+    chunk_start = piece_first[owner] + index * chunk_size
+    chunk_len = np.minimum(chunk_size, piece_end[owner] - chunk_start)
     return chunk_start.astype(np.int32), chunk_len.astype(np.int32), seq_chunks
 
 

@@ -100,10 +100,16 @@ class KernelPlan:
     norm_weight: Callable[[np.ndarray], Any] | None = None
     # compile kernels / allocate fixed buffers for a config, before any CUDA graph capture
     warm_up: Callable[[Any], None] | None = None
+    # begin building a config's kernels in the background (before the weights load; warm_up waits)
+    start_builds: Callable[[Any], int] | None = None
     # a step's host ``state.SnapshotSplit`` with its arrays on the device (None: host arrays serve)
     prepare_split: Callable[[Any], Any] | None = None
     # (tensors, ((src, dst), ...)): state rows copied between slots; None: indexed assignment
     copy_state_rows: Callable[[Any, Any], None] | None = None
+    # (StepSequences, config) -> whether ``delta_net`` writes the step's in-step snapshots
+    # (``seqs.snapshots``) itself in the layer's one run; None / False: the model splits the layer's
+    # core around each boundary (``state.split_at_snapshots``)
+    writes_snapshots: Callable[[Any, Any], bool] | None = None
 
 
 NUMPY_PLAN = KernelPlan(

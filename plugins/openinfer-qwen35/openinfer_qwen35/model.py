@@ -14,9 +14,11 @@ layer i's cache::
 A sequence whose context starts at position 0 begins a fresh state, any other continues its
 slot's state — so chunked prefill carries the state across chunks, and a prefix-cache hit
 continues from the snapshot the engine restored into the slot. A step that snapshots a
-sequence's state at a block boundary inside its rows (``batch.state_snapshots``) runs each GDN
-layer's core in two parts around the boundary (``state.split_at_snapshots``): the prompt needs
-no step of its own for its last partial block.
+sequence's state at a block boundary inside its rows (``batch.state_snapshots``) has its GDN
+layers write that state in their one run where the plan's kernels can (``KernelPlan.
+writes_snapshots``: the cuda chunked walk stores the state entering a chunk cut at the boundary),
+else runs each GDN layer's core in two parts around the boundary (``state.split_at_snapshots``):
+either way the prompt needs no step of its own for its last partial block.
 
 Tensor parallel: ``config`` is the rank's (``Qwen35Config.for_rank``: its attention, KV, GDN
 key and value heads), the mixers' and the MLP's outputs are partial sums completed by one
@@ -100,9 +102,12 @@ class Qwen35Model:
     def forward(self, batch: ForwardBatch, kv_cache: list[KVLayer | StateLayer]) -> Any:
         ops, w = self.backend, self.weights
         seqs = self.plan.step_sequences(batch)
-        split = split_at_snapshots(seqs)
-        if split is not None and self.plan.prepare_split is not None:
-            split = self.plan.prepare_split(split)  # its arrays on the device, once a step
+        split = None
+        if seqs.snapshots is not None and not (self.plan.writes_snapshots is not None
+                                               and self.plan.writes_snapshots(seqs, self.config)):
+            split = split_at_snapshots(seqs)  # the kernels cannot write them: each GDN layer in two parts
+            if self.plan.prepare_split is not None:
+                split = self.plan.prepare_split(split)  # its arrays on the device, once a step
         comm = self.comm
         if w.vocab is None:
             hidden = ops.embedding(w.embed_tokens, batch.token_ids)

@@ -44,6 +44,8 @@ def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend
     qwen35 = Qwen35Config.from_dict(config, read_generation_config(model_path))
     local = qwen35.for_rank(rank.tensor)  # the rank's head counts; raises when heads do not split
     plan = plan_for(backend)
+    if plan.start_builds is not None:  # NVRTC works in background threads while the weights load
+        plan.start_builds(local)
     source = (DummyCheckpoint(qwen35_tensor_shapes(qwen35)) if rank.load_format == "dummy"
               else Checkpoint(model_path))
     weights = load_weights(source, qwen35, backend, plan.fp32_vector, plan.norm_weight, rank.tensor)

@@ -56,7 +56,7 @@ def backend():
 
 
 @pytest.mark.parametrize("key_dim, value_dim, prefill", [(128, 128, ""), (12, 8, ""), (128, 128, "chunked_split"),
-                                                          (64, 64, "chunked_split")])
+                                                          (64, 64, "chunked_split"), (64, 64, "chunked_split_f16")])
 def test_delta_net_matches_numpy_on_a_mixed_batch(backend, key_dim, value_dim, prefill, monkeypatch):
     from openinfer_qwen35 import cuda_ops, gated_deltanet
     from openinfer_qwen35.config import Qwen35Config
@@ -100,11 +100,11 @@ def test_delta_net_matches_numpy_on_a_mixed_batch(backend, key_dim, value_dim, p
     np.testing.assert_array_equal(ssm[0], ssm_state[0])  # the null slot is never touched
 
 
-@pytest.mark.parametrize("prefill", ["chunked_fp32", "chunked_split"])
+@pytest.mark.parametrize("prefill", ["chunked_fp32", "chunked_split", "chunked_split_f16"])
 def test_fp32_chunked_prefill_matches_the_token_by_token_kernels(backend, monkeypatch, prefill):
     """Issue #17: OPENINFER_QWEN35_GDN_PREFILL=chunked_fp32 (gdn_chunked_fp32.cu) and =chunked_split
-    (gdn_chunked_split.cu: tensor cores, split operands) against the token-by-token kernels
-    (OPENINFER_QWEN35_GDN_KERNELS=recurrent) on the same ragged mixed step (a prompt from scratch, a decode,
+    (gdn_chunked_split.cu: tensor cores, split operands; =chunked_split_f16 its walk on fp16 parts) against the
+    token-by-token kernels (OPENINFER_QWEN35_GDN_KERNELS=recurrent) on the same ragged mixed step (a prompt from scratch, a decode,
     a continued chunk, a one-token prompt, prompts of exactly one and two chunks; the 4B head dims): the same
     gated-normed bf16 rows nearly everywhere (fp32 sums in another order), states to fp32 rounding, the null
     slot untouched."""

@@ -370,11 +370,12 @@ def fp32_and_split_chains(tmp_path_factory):
     return directory, (int(query_start[-1]), nv * FAST_VALUE_DIM), slots, ssm_state
 
 
-@pytest.mark.parametrize("chain", ["fp32", "split"])
+@pytest.mark.parametrize("chain", ["fp32", "split", "split_f16"])
 def test_fp32_chunked_prefill_matches_the_token_by_token_kernel(fp32_and_split_chains, chain):
     """Issue #17: the fp32 chunked prefill (gdn_chunked_fp32.cu, OPENINFER_QWEN35_GDN_PREFILL=chunked_fp32)
     and the split-operand tensor-core one (gdn_chunked_split.cu, =chunked_split: exact q / k products,
-    ~24-bit splits elsewhere) against the token-by-token kernel on the same conv_out: a 150-token prompt
+    ~24-bit splits elsewhere; =chunked_split_f16: its walk on fp16 hi / lo parts, ~22 bits) against the
+    token-by-token kernel on the same conv_out: a 150-token prompt
     from scratch and 70 tokens continuing a saved state; the bf16 output equals the token-by-token
     kernel's nearly everywhere (fp32 sums in another order) and the final states agree to fp32 rounding."""
     directory, shape, slots, ssm_state = fp32_and_split_chains

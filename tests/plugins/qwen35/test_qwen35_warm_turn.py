@@ -3,6 +3,8 @@ block boundary is snapshotted inside that step (``state.split_at_snapshots``), n
 its own for the last ``len % 16`` tokens — and cached runs equal uncached ones, alone or with
 other prompts in the step."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from openinfer_qwen35.state import SNAPSHOT_IN_STEP_ENV, StepSequences, split_at_snapshots
@@ -27,6 +29,54 @@ def spy_forwards(engine) -> list[list[int]]:
 
     engine.model.forward = spy
     return steps
+
+
+def count_core_runs(engine) -> list[int]:
+    """How many times each later forward ran a GDN layer core (``KernelPlan.delta_net``), summed
+    over its layers: a forward without a split runs each GDN layer's core once."""
+    runs: list[int] = []
+    plan, forward = engine.model.plan, engine.model.forward
+
+    def delta_net(*args, **kwargs):
+        runs[-1] += 1
+        return plan.delta_net(*args, **kwargs)
+
+    def spy(batch, kv_cache):
+        runs.append(0)
+        return forward(batch, kv_cache)
+
+    engine.model.plan = dataclasses.replace(plan, delta_net=delta_net)
+    engine.model.forward = spy
+    return runs
+
+
+def test_a_prompt_ending_on_a_boundary_runs_each_gdn_layer_once(tiny, in_step):
+    """The default snapshot policy (``follow_up``): a prompt of whole blocks is snapshotted by a
+    copy after its step, so its GDN layers run once; a prompt ending inside a block runs each in
+    two parts around its last boundary; the next turn of either starts from its snapshot."""
+    path, _ = tiny
+    base = prompts(1, seed=7)[0]
+    aligned, ragged = base[:64], base[1:68]  # 64 tokens: whole blocks; 67: a boundary at 64 inside
+    cold = build_engine(path, enable_prefix_cache=False)
+    try:
+        want = {len(p): run_one(cold, make_request(f"c{len(p)}", p + [5, 6], max_tokens=4)).token_ids
+                for p in (aligned, ragged)}
+    finally:
+        cold.close_sync()
+    engine = build_engine(path)
+    try:
+        layers = len(engine.model.config.linear_layer_ids)
+        runs = count_core_runs(engine)
+        run_one(engine, make_request("a", aligned, max_tokens=1))
+        assert runs == [layers]
+        run_one(engine, make_request("b", ragged, max_tokens=1))
+        assert runs[1] == 2 * layers  # the 64 rows before the boundary, then the 3 after
+        for prompt in (aligned, ragged):
+            turn = run_one(engine, make_request(f"t{len(prompt)}", prompt + [5, 6], max_tokens=4))
+            assert turn.token_ids == want[len(prompt)] and turn.cached_tokens == 64
+        assert_everything_returned(engine)
+    finally:
+        engine.close_sync()
 
 
 def test_split_at_snapshots_orders_head_rows_then_tail_rows():

@@ -1,7 +1,9 @@
 """The warm turn on the cuda backend (``pytest -m gpu``): with snapshots inside a step
-(``OPENINFER_QWEN35_SNAPSHOT_IN_STEP=1``) a prompt runs as one step whose GDN layers run around the
-block boundary (``state.split_at_snapshots``); a prefix-cache hit from that snapshot, alone or
-with other prompts in its step, equals the cold run."""
+(``OPENINFER_QWEN35_SNAPSHOT_IN_STEP=1``) a prompt runs as one step whose GDN layers either write
+the state at the block boundary in their one run (``OPENINFER_QWEN35_SNAPSHOT_EMIT=1``: the chunk
+walk stores the state entering a chunk cut at the boundary, ``cuda_ops.writes_snapshots``) or run
+around it (``state.split_at_snapshots``); the written state equals the split run's, and a
+prefix-cache hit from that snapshot, alone or with other prompts in its step, equals the cold run."""
 
 from __future__ import annotations
 
@@ -34,8 +36,12 @@ def spy_forwards(engine) -> list[tuple[list[int], list[tuple[int, ...]]]]:
     return steps
 
 
-def test_in_step_snapshot_hit_equals_cold_run(gpu_checkpoint, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("emit", ["1", "0"])
+def test_in_step_snapshot_hit_equals_cold_run(gpu_checkpoint, monkeypatch, emit):  # noqa: F811
+    from openinfer_qwen35 import cuda_ops
+
     monkeypatch.setenv(SNAPSHOT_IN_STEP_ENV, "1")
+    monkeypatch.setenv(cuda_ops.SNAPSHOT_EMIT_ENV, emit)
     path, _ = gpu_checkpoint
     rng = np.random.default_rng(5)
     prompt = rng.integers(3, GPU_CONFIG["vocab_size"], size=150).tolist()
@@ -43,8 +49,12 @@ def test_in_step_snapshot_hit_equals_cold_run(gpu_checkpoint, monkeypatch):  # n
     engine = cuda_engine(path)
     try:
         steps = spy_forwards(engine)
-        first = run_one(engine, make_request("first", prompt, max_tokens=24, logprobs=2))
-        assert steps[0][0] == [150] and [r[:2] for r in steps[0][1]] == [(0, 144)]  # one step, split at 144
+        with cuda_ops.kernel_timer() as launched:
+            first = run_one(engine, make_request("first", prompt, max_tokens=24, logprobs=2))
+        assert steps[0][0] == [150] and [r[:2] for r in steps[0][1]] == [(0, 144)]  # one step, a snapshot at 144
+        # written by the walk in the layer's one run, or by a run of the 144 rows before the boundary
+        assert ("gdn_conv_snapshot" in launched) == (emit == "1")
+        assert any(name.endswith(cuda_ops.SNAPSHOT_WALK_SUFFIX) for name in launched) == (emit == "1")
         hit = run_one(engine, make_request("hit", prompt, max_tokens=24, logprobs=2))
         # the hit's 6 rows run alone, the first run's beside 144 others (GEMM tiles may differ): near-ties aside
         assert hit.cached_tokens == 144 and first_real_divergence(hit.token_ids, first) is None
@@ -84,3 +94,73 @@ def test_copy_state_rows_equals_indexed_assignment():
         want_ssm[dst] = want_ssm[src]
     cuda_ops.copy_state_rows([conv, ssm], pairs)
     assert cupy.array_equal(conv, want_conv) and cupy.array_equal(ssm, want_ssm)
+
+
+def _split_run(layer, proj, seqs):
+    """The layer core as the model runs it when the kernels do not write the snapshots: the rows
+    before each boundary, the slots copied, the rest (``Qwen35Model._delta_net_snapshotting``)."""
+    import cupy
+    from openinfer_qwen35 import cuda_ops
+    from openinfer_qwen35.state import split_at_snapshots
+
+    split = cuda_ops.prepare_split(split_at_snapshots(seqs))
+    rows = proj if split.order is None else proj[split.order]
+    core = cupy.empty((rows.shape[0], layer.config.linear_value_dim), dtype=cupy.uint16)
+    head = split.num_head_rows
+    conv, ssm, w = layer.device_conv, layer.device_ssm, layer.device_weights
+    cuda_ops.delta_net(rows[:head], w, conv, ssm, split.head, layer.config, out=core[:head])
+    cuda_ops.copy_state_rows([conv, ssm], split.pairs)
+    cuda_ops.delta_net(rows[head:], w, conv, ssm, split.tail, layer.config, out=core[head:])
+    return core if split.inverse is None else core[split.inverse]
+
+
+@pytest.mark.parametrize("prefill", ["grouped_staged", "grouped_f16"])
+def test_the_walk_writes_the_state_a_run_stopping_at_the_boundary_leaves(monkeypatch, prefill):
+    """One ``delta_net`` run with in-step snapshots (``seqs.snapshots``: the chunk layout cut at each
+    boundary, the state walk storing the fp32 state entering the chunk there, ``gdn_conv_snapshot``
+    the conv window) against the split run: the snapshot slots hold what the rows before the boundary
+    leave, and the outputs and final states are the split run's. A step of 48 fresh prompts (the
+    register walk; a boundary 2 rows in: a conv window partly before the step, zeros) and a mixed step
+    (24 continued prompts beside 24 decode rows: the walk over a subset, the shared-memory walk; a
+    boundary 2 rows in: the live window's old rows)."""
+    import cupy
+    from openinfer_qwen35 import cuda_ops
+    from openinfer_qwen35.state import StepSequences
+
+    from tests.gpu.test_qwen35_kernels import Layer, device_bf16
+
+    monkeypatch.delenv(cuda_ops.KERNELS_ENV, raising=False)
+    monkeypatch.setenv(cuda_ops.PREFILL_ENV, prefill)
+    monkeypatch.setenv(cuda_ops.SNAPSHOT_EMIT_ENV, "1")
+    rng = np.random.default_rng(17)
+    sequences = 48
+    emitting, splitting = (Layer(np.random.default_rng(18), num_slots=2 * sequences + 8) for _ in range(2))
+    slots = np.arange(1, sequences + 1)
+    snapshot_slots = iter(range(sequences + 1, 2 * sequences + 8))
+    steps = (([70] * sequences, True, {0: 64, 5: 16, 47: 2}),
+             ([65] * (sequences // 2) + [1] * (sequences // 2), False, {1: 2, 10: 48}))
+    for lengths, fresh, cuts in steps:
+        query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        snapshots = np.array([[seq, cut, next(snapshot_slots)] for seq, cut in cuts.items()], np.int64)
+        host = StepSequences(query_start, slots[: len(lengths)], np.full(len(lengths), fresh), snapshots=snapshots)
+        assert cuda_ops.writes_snapshots(host, emitting.config)
+        proj = device_bf16(rng.standard_normal((sum(lengths), emitting.features)))
+        with cuda_ops.kernel_timer() as launched:
+            got = cuda_ops.delta_net(proj, emitting.device_weights, emitting.device_conv, emitting.device_ssm,
+                                     cuda_ops.prepare_sequences(host), emitting.config)
+        assert "gdn_conv_snapshot" in launched and any(n.endswith(cuda_ops.SNAPSHOT_WALK_SUFFIX) for n in launched)
+        want = _split_run(splitting, proj, cuda_ops.prepare_sequences(
+            StepSequences(query_start, host.slots, host.fresh, snapshots=snapshots)))
+        written = snapshots[:, 2]
+        np.testing.assert_array_equal(cupy.asnumpy(emitting.device_conv)[written],
+                                      cupy.asnumpy(splitting.device_conv)[written])
+        got_ssm, want_ssm = cupy.asnumpy(emitting.device_ssm), cupy.asnumpy(splitting.device_ssm)
+        # the same products on the same operands: equal up to the order of fp32 sums (the walks' choice)
+        np.testing.assert_allclose(got_ssm[written], want_ssm[written], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got_ssm[slots], want_ssm[slots], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(cupy.asnumpy(emitting.device_conv)[slots],
+                                      cupy.asnumpy(splitting.device_conv)[slots])
+        got, want = cupy.asnumpy(got).view(np.uint16), cupy.asnumpy(want).view(np.uint16)
+        print(f"{prefill}, {len(lengths)} sequences: outputs differ at {int((got != want).sum())} of {got.size}, "
+              f"snapshot states bit-identical: {np.array_equal(got_ssm[written], want_ssm[written])}")
+        assert (got != want).mean() <= 1e-3

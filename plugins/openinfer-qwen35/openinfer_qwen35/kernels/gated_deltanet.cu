@@ -157,6 +157,33 @@ extern "C" __global__ void gdn_conv_state(const bf16* __restrict__ proj, int pro
     }
 }
 
+// A prefix-cache snapshot inside a step (the state after `rows` of a sequence's rows of this step):
+// the conv window there, the K-1 conv inputs before the boundary, into the snapshot slot — rows
+// before the step from the live slot's window as it was (so this runs before gdn_conv_state
+// rewrites it), zeros for a fresh sequence. snapshots [S][3]: (sequence, rows before the boundary,
+// snapshot slot), as ForwardBatch.state_snapshots. One thread per (snapshot, channel).
+extern "C" __global__ void gdn_conv_snapshot(const bf16* __restrict__ proj, int proj_stride,
+                                             bf16* __restrict__ conv_state, const int* __restrict__ query_start,
+                                             const int* __restrict__ slots, const int* __restrict__ fresh,
+                                             const int* __restrict__ snapshots, int num_snapshots, int conv_dim,
+                                             int width) {
+    const long long n = (long long)num_snapshots * conv_dim;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int k = (int)(i / conv_dim), c = (int)(i - (long long)k * conv_dim);
+        const int s = snapshots[3 * k], rows = snapshots[3 * k + 1], first = query_start[s];
+        const bf16* live = conv_state + (size_t)slots[s] * (width - 1) * conv_dim;
+        bf16* window = conv_state + (size_t)snapshots[3 * k + 2] * (width - 1) * conv_dim;
+        for (int j = 0; j < width - 1; ++j) {
+            const int from = j + rows;  // index into [old window | the step's rows]
+            window[(size_t)j * conv_dim + c] =
+                from >= width - 1 ? proj[(size_t)(first + from - (width - 1)) * proj_stride + c]
+                : fresh[s]        ? __float2bfloat16_rn(0.f)
+                                  : live[(size_t)from * conv_dim + c];
+        }
+    }
+}
+
 // The delta rule of one (sequence, value head, tile of value channels) over the sequence's tokens
 // of this step, with its gates and the q/k l2 norm. Grid (num_seqs, nv, ceil(dv / tile_dv)):
 // tiling the value channels puts a single long prompt (or a batch of one) on several SMs per

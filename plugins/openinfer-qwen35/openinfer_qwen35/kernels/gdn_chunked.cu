@@ -850,13 +850,26 @@ gdn_chunk_scan(const bf16* __restrict__ qn, const bf16* __restrict__ kn, const b
 // same mma sequence on the same bf16 operands as gdn_chunk_scan's: the same bits.
 //   states [N, nv, dv, DK] bf16 (S^T entering each chunk), v_new [T, nv, dv] bf16 (V')
 // 3 blocks per SM at DK <= 128 (168 registers); wider key heads' W / K prefetch needs more registers
-extern "C" __global__ void __launch_bounds__(SCAN_THREADS, DK <= 128 ? 3 : 1)
-gdn_chunk_states(const bf16* __restrict__ kn, const bf16* __restrict__ w_in, const bf16* __restrict__ u_in,
-                 const float* __restrict__ cum_in, const int* __restrict__ chunk_start,
-                 const int* __restrict__ chunk_len, const int* __restrict__ seq_chunks, const int* __restrict__ slots,
-                 const int* __restrict__ fresh, float* __restrict__ ssm_state, bf16* __restrict__ states,
-                 bf16* __restrict__ v_new, int num_key_heads, int num_value_heads, int dv) {
-    GDN_DYNAMIC_SHARED(smem);
+//
+// Prefix-cache snapshots inside a step (the *_snapshot entry points of both walks): a sequence whose
+// state after a block boundary inside its rows is wanted has its chunks cut there (the host's chunk
+// layout starts a chunk at the boundary), and the walk stores the fp32 S entering that chunk into the
+// snapshot slot, in the slot layout — the state a run stopping at the boundary leaves, without a
+// second run of the layer. snapshot_chunk [B]: the chunk (an index into chunk_start) entering which
+// the state is stored, -1 none; snapshot_slot [B]: its slot. The walk's products are unchanged.
+#define CHUNK_STATES_PARAMS                                                                                    \
+    const bf16 *__restrict__ kn, const bf16 *__restrict__ w_in, const bf16 *__restrict__ u_in,                 \
+        const float *__restrict__ cum_in, const int *__restrict__ chunk_start, const int *__restrict__ chunk_len, \
+        const int *__restrict__ seq_chunks, const int *__restrict__ slots, const int *__restrict__ fresh,        \
+        float *__restrict__ ssm_state, bf16 *__restrict__ states, bf16 *__restrict__ v_new, int num_key_heads,  \
+        int num_value_heads, int dv
+#define CHUNK_STATES_ARGS                                                                                      \
+    kn, w_in, u_in, cum_in, chunk_start, chunk_len, seq_chunks, slots, fresh, ssm_state, states, v_new,         \
+        num_key_heads, num_value_heads, dv
+template <bool SNAPSHOT>
+__device__ __forceinline__ void chunk_states(unsigned char* smem, CHUNK_STATES_PARAMS,
+                                             const int* __restrict__ snapshot_chunk,
+                                             const int* __restrict__ snapshot_slot) {
     const int s = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * SCAN_TILE;
     const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
@@ -883,6 +896,7 @@ gdn_chunk_states(const bf16* __restrict__ kn, const bf16* __restrict__ w_in, con
     }
 
     const int first = seq_chunks[s], last = seq_chunks[s + 1];
+    const int snap_chunk = SNAPSHOT ? snapshot_chunk[s] : -1;
     constexpr int ROW_VECS = DK / 8;  // uint4 per row of W, K
     constexpr int ROW_LOADS = CHUNK * ROW_VECS / SCAN_THREADS, STATE_LOADS = SCAN_TILE * ROW_VECS / SCAN_THREADS;
     uint4 w_next[ROW_LOADS], k_next[ROW_LOADS];
@@ -935,6 +949,13 @@ gdn_chunk_states(const bf16* __restrict__ kn, const bf16* __restrict__ w_in, con
         for (int e = threadIdx.x; e < DK * SCAN_TILE; e += SCAN_THREADS) {
             const int i = e / SCAN_TILE, j = e % SCAN_TILE;
             sbt[j * LDK + i] = op_from_f(st[i * LDS + j]);
+        }
+        if (SNAPSHOT && c == snap_chunk) {  // the fp32 S entering the chunk: the state at the boundary
+            float* snap = ssm_state + ((size_t)snapshot_slot[s] * num_value_heads + h) * DK * dv + j0;
+            for (int e = threadIdx.x; e < DK * SCAN_TILE; e += SCAN_THREADS) {
+                const int i = e / SCAN_TILE, j = e % SCAN_TILE;
+                snap[(size_t)i * dv + j] = st[i * LDS + j];
+            }
         }
         __syncthreads();
         if (c + 1 < last) prefetch(c + 1);  // in flight during this chunk's math
@@ -1000,6 +1021,18 @@ gdn_chunk_states(const bf16* __restrict__ kn, const bf16* __restrict__ w_in, con
         const int i = e / SCAN_TILE, j = e % SCAN_TILE;
         state[(size_t)i * dv + j] = st[i * LDS + j];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS, DK <= 128 ? 3 : 1) gdn_chunk_states(CHUNK_STATES_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_states<false>(smem, CHUNK_STATES_ARGS, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS, DK <= 128 ? 3 : 1)
+gdn_chunk_states_snapshot(CHUNK_STATES_PARAMS, const int* __restrict__ snapshot_chunk,
+                          const int* __restrict__ snapshot_slot) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_states<true>(smem, CHUNK_STATES_ARGS, snapshot_chunk, snapshot_slot);
 }
 
 // gdn_chunk_output: grid (N, nv), 128 threads (warp w: rows 16w..). Q and P once, then the
@@ -1222,14 +1255,10 @@ __device__ __forceinline__ size_t chunk_states_registers_buffer_bytes(int channe
     return 2 * round_up_128((size_t)CHUNK * LDK * 2) + round_up_128((size_t)CHUNK * (channels + PAD) * 2) + CHUNK * 4;
 }
 
-extern "C" __global__ void __launch_bounds__(256, DK <= 128 ? 2 : 1)
-gdn_chunk_states_registers(const bf16* __restrict__ kn, const bf16* __restrict__ w_in, const bf16* __restrict__ u_in,
-                           const float* __restrict__ cum_in, const int* __restrict__ chunk_start,
-                           const int* __restrict__ chunk_len, const int* __restrict__ seq_chunks,
-                           const int* __restrict__ slots, const int* __restrict__ fresh, float* __restrict__ ssm_state,
-                           bf16* __restrict__ states, bf16* __restrict__ v_new, int num_key_heads, int num_value_heads,
-                           int dv) {
-    GDN_DYNAMIC_SHARED(smem);
+template <bool SNAPSHOT>
+__device__ __forceinline__ void chunk_states_registers(unsigned char* smem, CHUNK_STATES_PARAMS,
+                                                       const int* __restrict__ snapshot_chunk,
+                                                       const int* __restrict__ snapshot_slot) {
     const int warps = blockDim.x >> 5, channels = 16 * warps, ldu = channels + PAD;
     const int s = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * channels;
     const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
@@ -1280,9 +1309,21 @@ gdn_chunk_states_registers(const bf16* __restrict__ kn, const bf16* __restrict__
     }
 
     const int first = seq_chunks[s], last = seq_chunks[s + 1];
+    const int snap_chunk = SNAPSHOT ? snapshot_chunk[s] : -1;
     if (first < last) load_chunk(first, 0);
     for (int c = first; c < last; ++c) {
         const int b = (c - first) & 1, t0 = chunk_start[c], n = chunk_len[c];
+        if (SNAPSHOT && c == snap_chunk) {  // the fp32 S entering the chunk (the state at the boundary), as stored below
+            float* snap = ssm_state + ((size_t)snapshot_slot[s] * num_value_heads + h) * DK * dv + j0 + jw;
+#pragma unroll
+            for (int nt = 0; nt < DK / 8; ++nt) {
+                const int i = 8 * nt + 2 * q4;
+                snap[(size_t)i * dv + g] = st[nt][0];
+                snap[(size_t)(i + 1) * dv + g] = st[nt][1];
+                snap[(size_t)i * dv + g + 8] = st[nt][2];
+                snap[(size_t)(i + 1) * dv + g + 8] = st[nt][3];
+            }
+        }
         if (c + 1 < last) {  // the other buffer's readers finished at the last iteration's end
             load_chunk(c + 1, b ^ 1);
             gdn_wait_copies<1>();
@@ -1369,6 +1410,18 @@ gdn_chunk_states_registers(const bf16* __restrict__ kn, const bf16* __restrict__
         state[(size_t)i * dv + g + 8] = st[nt][2];
         state[(size_t)(i + 1) * dv + g + 8] = st[nt][3];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256, DK <= 128 ? 2 : 1) gdn_chunk_states_registers(CHUNK_STATES_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_states_registers<false>(smem, CHUNK_STATES_ARGS, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(256, DK <= 128 ? 2 : 1)
+gdn_chunk_states_registers_snapshot(CHUNK_STATES_PARAMS, const int* __restrict__ snapshot_chunk,
+                                    const int* __restrict__ snapshot_slot) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_states_registers<true>(smem, CHUNK_STATES_ARGS, snapshot_chunk, snapshot_slot);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -45,6 +45,38 @@ static_assert(DK % 64 == 0, "the split chunked kernels take key head dims that a
 #define GDN_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
+// Diagnostic builds of benchmarks/gpu_qwen35.py --gdn-prefill-only (never the plugin's):
+// GDN_PHASE_CLOCKS: lane 0 of the last warp (the longest strip's products) of every block adds each phase's SM
+// clock cycles to gdn_split_phase_cycles[phase] (phases 1.. as marked below, a walk's summed over its chunks;
+// [0] counts blocks) — where a block's time goes. GDN_SPLIT_ONE_PART (timing only, wrong outputs): every product
+// as its hi * hi mma alone (the parts' splits dead with it) — what the extra mmas cost.
+#ifdef GDN_PHASE_CLOCKS
+extern "C" {
+__device__ unsigned long long gdn_split_phase_cycles[16];
+}
+#define SPLIT_PHASE_THREAD (SPLIT_THREADS - 32)
+#define SPLIT_PHASES_BEGIN() long long phase_clock = clock64()
+#define SPLIT_PHASE(k)                                                                        \
+    do {                                                                                      \
+        if (threadIdx.x == SPLIT_PHASE_THREAD) {                                              \
+            const long long now = clock64();                                                  \
+            atomicAdd(gdn_split_phase_cycles + (k), (unsigned long long)(now - phase_clock)); \
+            phase_clock = now;                                                                \
+        }                                                                                     \
+    } while (0)
+#define SPLIT_PHASES_DONE() \
+    if (threadIdx.x == SPLIT_PHASE_THREAD) atomicAdd(gdn_split_phase_cycles, 1ull)
+#else
+#define SPLIT_PHASES_BEGIN()
+#define SPLIT_PHASE(k)
+#define SPLIT_PHASES_DONE()
+#endif
+#ifdef GDN_SPLIT_ONE_PART
+#define MMA_PART(acc, a, b0, b1)
+#else
+#define MMA_PART(acc, a, b0, b1) mma_bf16_16816(acc, a, b0, b1)
+#endif
+
 // x0, x1 as three packed bf16 pairs hi + mid + lo (each part exact in bf16: the remainders are exact in fp32)
 __device__ __forceinline__ void split3_pair(float x0, float x1, unsigned& hi, unsigned& mid, unsigned& lo) {
     const float h0 = round_bf16(x0), h1 = round_bf16(x1);
@@ -91,15 +123,17 @@ __device__ __forceinline__ void load_b_f32(float2* f, const float* base, int ld)
     f[0] = load_f2(base + g * ld + 2 * q);
     f[1] = load_f2(base + g * ld + 2 * q + 8);
 }
-// Raw bf16 fragments (exact operands): gdn_chunked.cu's load_a / load_b.
-__device__ __forceinline__ void load_a_raw(unsigned* a, const bf16* base, int ld) {
+// 16-bit fragments as stored (raw bf16 rows: exact operands; or fp16 bits): gdn_chunked.cu's load_a / load_b.
+template <class Half>
+__device__ __forceinline__ void load_a_raw(unsigned* a, const Half* base, int ld) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     a[0] = *reinterpret_cast<const unsigned*>(base + g * ld + 2 * q);
     a[1] = *reinterpret_cast<const unsigned*>(base + (g + 8) * ld + 2 * q);
     a[2] = *reinterpret_cast<const unsigned*>(base + g * ld + 2 * q + 8);
     a[3] = *reinterpret_cast<const unsigned*>(base + (g + 8) * ld + 2 * q + 8);
 }
-__device__ __forceinline__ void load_b_raw(unsigned* b, const bf16* base, int ld) {
+template <class Half>
+__device__ __forceinline__ void load_b_raw(unsigned* b, const Half* base, int ld) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     b[0] = *reinterpret_cast<const unsigned*>(base + g * ld + 2 * q);
     b[1] = *reinterpret_cast<const unsigned*>(base + g * ld + 2 * q + 8);
@@ -204,6 +238,7 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
     const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
     const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv, conv_dim = 2 * key_dim + value_dim;
     const int warp = threadIdx.x >> 5, row0 = 16 * warp;
+    SPLIT_PHASES_BEGIN();
     // the raw q / k rows until the scores are taken, then A and T in the same bytes (3 blocks an SM at the 4B
     // shape's 75 KB)
     constexpr int ROWS_BYTES = 2 * SPLIT_CHUNK * SPLIT_LDH * 2, SOLVE_BYTES = 2 * SPLIT_CHUNK * SPLIT_LDF * 4;
@@ -269,6 +304,7 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
         cum[r] = (double)lg;
     }
     __syncthreads();
+    SPLIT_PHASE(1);  // raw q / k / v staged, gates
     if (threadIdx.x == 0) {  // the cumulative log-decay, in order (fp64: c reaches -1000 for fast heads)
         double sum = 0.0;
         for (int r = 0; r < SPLIT_CHUNK; ++r) {
@@ -277,6 +313,7 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
         }
     }
     __syncthreads();
+    SPLIT_PHASE(2);  // cumulative decay
     if (threadIdx.x < n) cum_out[(size_t)(t0 + threadIdx.x) * num_value_heads + h] = (float)cum[threadIdx.x];
     // the l2 norms (fp32, of the raw rows): a thread a (row, q or k), its pairs from a rotated start (the
     // warp's 32 rows in distinct banks)
@@ -294,6 +331,7 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
         if (r < n && h % ratio == 0) norms[((size_t)(t0 + r) * num_key_heads + key_head) * 2 + tensor] = scale;
     }
     __syncthreads();
+    SPLIT_PHASE(3);  // the l2 norms
     if (threadIdx.x < SPLIT_CHUNK) {  // (read after the solve's barriers)
         const int r = threadIdx.x;
         beta_decay[r] = beta[r] * expf((float)cum[r]) * rk[r];
@@ -335,8 +373,10 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
             }
     }
     __syncthreads();
+    SPLIT_PHASE(4);  // scores (tensor cores), A and P stored
     solve_blocked_split(amat, tinv);  // T = (I + A)^-1 in fp32
     __syncthreads();
+    SPLIT_PHASE(5);  // T = (I + A)^-1
     // U = (T diag(beta)) V_raw (T's side in 3 parts) and W = (T diag(beta exp(c) rk)) K_raw (2 parts), rows
     // 16w .. 16w + 15; T lower: the k tiles up to the strip's own
     auto product = [&](const float* scale, const bf16* bt, int width, int parts, float* dst, size_t dst_stride) {
@@ -353,8 +393,8 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
                     unsigned b[2];
                     load_b_raw(b, bt + (n0 + nt * 8) * SPLIT_LDCH + k0, SPLIT_LDCH);
                     mma_bf16_16816(acc[nt], hi, b[0], b[1]);
-                    mma_bf16_16816(acc[nt], mid, b[0], b[1]);
-                    if (parts == 3) mma_bf16_16816(acc[nt], lo, b[0], b[1]);
+                    MMA_PART(acc[nt], mid, b[0], b[1]);
+                    if (parts == 3) MMA_PART(acc[nt], lo, b[0], b[1]);
                 }
             }
 #pragma unroll
@@ -369,7 +409,10 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
         }
     };
     product(beta, vt, dv, 3, u_out + (size_t)h * dv, (size_t)value_dim);
+    SPLIT_PHASE(6);  // U (tensor cores) stored
     product(beta_decay, kt, DK, 2, w_out + (size_t)h * DK, (size_t)num_value_heads * DK);
+    SPLIT_PHASE(7);  // W (tensor cores) stored
+    SPLIT_PHASES_DONE();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -421,6 +464,7 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
     bf16* qr = planes + 3 * PLANE;                         // [64][SPLIT_LDH] raw q rows
     bf16* kt = qr + SPLIT_CHUNK * SPLIT_LDH;               // [DK][SPLIT_LDCH] raw k^T
 
+    SPLIT_PHASES_BEGIN();
     float* state = ssm_state + ((size_t)slots[s] * num_value_heads + h) * DK * dv;
     const bool is_fresh = fresh[s] != 0;
     float sacc[STATE_NT][4];  // this warp's region of S^T (fp32)
@@ -430,6 +474,7 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
         for (int e = 0; e < 4; ++e)
             sacc[nt][e] = is_fresh ? 0.f : state[(size_t)state_col(nt, e) * dv + j0 + state_row(e)];
     store_state_planes(sacc, planes);
+    SPLIT_PHASE(1);  // the state loaded, its planes
     for (int c = seq_chunks[s]; c < seq_chunks[s + 1]; ++c) {
         const int t0 = chunk_start[c], n = chunk_len[c];
         // W's and P's rows 16w .. are read by warp w alone: their fragments straight from global memory into
@@ -474,6 +519,7 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
             row_scale[r] = q_norm * expf(cum[r]);
             tail_scale[r] = k_norm * expf(cum[SPLIT_CHUNK - 1] - cum[r]);
         }
+        SPLIT_PHASE(2);  // the chunk's W / P fragments, q / k^T / U tiles, scales
         // V' = U - W S (W in 2 parts x S's hi / mid: hi*hi, hi*mid, mid*hi, 3 mmas) and Q_raw S (S's three parts: 3)
         // in one pass over S's planes: warp w rows 16w .., the tile's 32 channels
         float inter[4][4] = {};
@@ -493,11 +539,11 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                     load_b_raw(bmid, planes + PLANE + nt * 8 * SPLIT_LDH + k0, SPLIT_LDH);
                     load_b_raw(blo, planes + 2 * PLANE + nt * 8 * SPLIT_LDH + k0, SPLIT_LDH);
                     mma_bf16_16816(acc[nt], whi, bhi[0], bhi[1]);
-                    mma_bf16_16816(acc[nt], whi, bmid[0], bmid[1]);
-                    mma_bf16_16816(acc[nt], wmid, bhi[0], bhi[1]);
+                    MMA_PART(acc[nt], whi, bmid[0], bmid[1]);
+                    MMA_PART(acc[nt], wmid, bhi[0], bhi[1]);
                     mma_bf16_16816(inter[nt], a, bhi[0], bhi[1]);
-                    mma_bf16_16816(inter[nt], a, bmid[0], bmid[1]);
-                    mma_bf16_16816(inter[nt], a, blo[0], blo[1]);
+                    MMA_PART(inter[nt], a, bmid[0], bmid[1]);
+                    MMA_PART(inter[nt], a, blo[0], blo[1]);
                 }
             }
 #pragma unroll
@@ -511,6 +557,7 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                 }
         }
         __syncthreads();
+        SPLIT_PHASE(3);  // V' = U - W S and Q S (tensor cores)
         // O = diag(rq exp(c)) Q_raw S + P V' (P, V' in 3 parts, 6 mmas: the terms to ~2^-18), rows 16w ..
         {
             float intra[4][4] = {};
@@ -526,11 +573,11 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                     unsigned bhi[2], bmid[2], blo[2];
                     split3_fragment<2>(fb, bhi, bmid, blo);
                     mma_bf16_16816(intra[nt], ahi, bhi[0], bhi[1]);
-                    mma_bf16_16816(intra[nt], ahi, bmid[0], bmid[1]);
-                    mma_bf16_16816(intra[nt], amid, bhi[0], bhi[1]);
-                    mma_bf16_16816(intra[nt], ahi, blo[0], blo[1]);
-                    mma_bf16_16816(intra[nt], alo, bhi[0], bhi[1]);
-                    mma_bf16_16816(intra[nt], amid, bmid[0], bmid[1]);
+                    MMA_PART(intra[nt], ahi, bmid[0], bmid[1]);
+                    MMA_PART(intra[nt], amid, bhi[0], bhi[1]);
+                    MMA_PART(intra[nt], ahi, blo[0], blo[1]);
+                    MMA_PART(intra[nt], alo, bhi[0], bhi[1]);
+                    MMA_PART(intra[nt], amid, bmid[0], bmid[1]);
                 }
             }
 #pragma unroll
@@ -546,6 +593,7 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                     }
                 }
         }
+        SPLIT_PHASE(4);  // P V' (tensor cores), O stored
         // S^T <- exp(c_C) S^T + (diag(rk exp(c_C - c)) V')^T K_raw on this warp's region (V' side in 3 parts:
         // 3 mmas), then its planes rewritten
         {
@@ -566,15 +614,323 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                     unsigned b[2];
                     load_b_raw(b, kt + (scol + nt * 8) * SPLIT_LDCH + k0, SPLIT_LDCH);
                     mma_bf16_16816(sacc[nt], hi, b[0], b[1]);
-                    mma_bf16_16816(sacc[nt], mid, b[0], b[1]);
-                    mma_bf16_16816(sacc[nt], lo, b[0], b[1]);
+                    MMA_PART(sacc[nt], mid, b[0], b[1]);
+                    MMA_PART(sacc[nt], lo, b[0], b[1]);
                 }
             }
             store_state_planes(sacc, planes);  // (every warp read the planes before the barrier after V')
         }
+        SPLIT_PHASE(5);  // the state update (tensor cores), its planes
     }
 #pragma unroll
     for (int nt = 0; nt < STATE_NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) state[(size_t)state_col(nt, e) * dv + j0 + state_row(e)] = sacc[nt][e];
+    SPLIT_PHASE(6);  // the state stored
+    SPLIT_PHASES_DONE();
+}
+
+// ---------------------------------------------------------------------------------------------
+// gdn_chunk_walk_split_f16 (OPENINFER_QWEN35_GDN_PREFILL=chunked_split_f16): gdn_chunk_walk_split's walk with
+// fp16 operand parts instead of bf16 ones. x = hi + 2^-11 lo with hi = fp16(x) and lo = fp16((x - hi) 2^11)
+// (the remainder scaled back into fp16's normal range): ~22 bits in two parts where bf16 needs three, so a
+// product of two split operands takes 3 mmas (hi*hi into one accumulator, hi*lo + lo*hi into another, summed
+// times 2^-11 after the k loop) instead of 6, and a split operand against the raw q / k rows (bf16 values:
+// exact in fp16 within its range) 2 instead of 3. The teacher-forced CPU emulation with every operand in
+// this form (tests/plugins/qwen35/gdn_teacher_forced_emulation.py, "fp16 hi + scaled lo" products, 12
+// prompts): 0.0059 / 0.0297 vs HF, the token-by-token rule 0.0060 / 0.0304, gdn_chunk_walk_split 0.0060 /
+// 0.0301. Per warp and chunk 272 mmas instead of 384, two state planes instead of three. Range: the parts
+// are fp16, so |S|, |V'|, |W| and the raw q / k below 65504 (the state and V' are the size of the layer's v:
+// the delta rule's update is a contraction; as grouped_f16 assumes).
+#define F16_LO_SCALE 2048.f  // 2^11: an fp16 rounding's remainder back to the value's scale
+#define F16_LO_UNSCALE (1.f / 2048.f)
+
+#ifdef MMA_HOST_STANDIN
+// the host emulation (tests/helpers/cuda_host): fp16 as the compiler's _Float16, the fp16 mma as four bf16
+// stand-in mmas over exact bf16 hi / lo parts of each fp16 operand (11 significant bits = 8 + 3)
+__device__ __forceinline__ unsigned short f16_bits(float x) {
+    const _Float16 h = static_cast<_Float16>(x);
+    unsigned short bits;
+    std::memcpy(&bits, &h, 2);
+    return bits;
+}
+__device__ __forceinline__ float f16_value(unsigned short bits) {
+    _Float16 h;
+    std::memcpy(&h, &bits, 2);
+    return static_cast<float>(h);
+}
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+    return static_cast<unsigned>(f16_bits(lo)) | (static_cast<unsigned>(f16_bits(hi)) << 16);
+}
+__device__ __forceinline__ float2 unpack_f16x2(unsigned packed) {
+    return make_float2(f16_value(packed & 0xFFFFu), f16_value(packed >> 16));
+}
+__device__ __forceinline__ unsigned short f16_from_bf16(bf16 x) { return f16_bits(to_f(x)); }
+__device__ __forceinline__ void f16_pair_as_bf16(unsigned packed, unsigned& hi, unsigned& lo) {
+    const float2 x = unpack_f16x2(packed);
+    const float h0 = round_bf16(x.x), h1 = round_bf16(x.y);
+    hi = pack_bf16x2(h0, h1);
+    lo = pack_bf16x2(x.x - h0, x.y - h1);
+}
+__device__ __forceinline__ void mma_f16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    unsigned a_hi[4], a_lo[4], b_hi[2], b_lo[2];
+    for (int e = 0; e < 4; ++e) f16_pair_as_bf16(a[e], a_hi[e], a_lo[e]);
+    f16_pair_as_bf16(b0, b_hi[0], b_lo[0]);
+    f16_pair_as_bf16(b1, b_hi[1], b_lo[1]);
+    mma_bf16_16816(d, a_hi, b_hi[0], b_hi[1]);
+    mma_bf16_16816(d, a_hi, b_lo[0], b_lo[1]);
+    mma_bf16_16816(d, a_lo, b_hi[0], b_hi[1]);
+    mma_bf16_16816(d, a_lo, b_lo[0], b_lo[1]);
+}
+#else
+#include <cuda_fp16.h>
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&h);
+}
+__device__ __forceinline__ float2 unpack_f16x2(unsigned packed) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&packed));
+}
+__device__ __forceinline__ unsigned short f16_from_bf16(bf16 x) {
+    return __half_as_ushort(__float2half_rn(__bfloat162float(x)));
+}
+// D = A·B + D for one m16n8k16 fp16 tile (fp32 accumulate), mma_bf16_16816's fragment layout
+__device__ __forceinline__ void mma_f16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#endif
+#ifdef GDN_SPLIT_ONE_PART
+#define MMA_F16_PART(acc, a, b0, b1)
+#else
+#define MMA_F16_PART(acc, a, b0, b1) mma_f16_16816(acc, a, b0, b1)
+#endif
+
+// x0, x1 as packed fp16 pairs hi and lo = (x - hi) 2^11
+__device__ __forceinline__ void split_f16_pair(float x0, float x1, unsigned& hi, unsigned& lo) {
+    hi = pack_f16x2(x0, x1);
+    const float2 h = unpack_f16x2(hi);
+    lo = pack_f16x2((x0 - h.x) * F16_LO_SCALE, (x1 - h.y) * F16_LO_SCALE);
+}
+
+// 8 fp16 of a 16-byte vector
+struct alignas(16) F16x8 {
+    unsigned short x[8];
+};
+
+__device__ __forceinline__ void store_state_planes_f16(const float (*acc)[4], unsigned short* planes) {
+    constexpr int PLANE = SPLIT_TILE * SPLIT_LDH;
+#pragma unroll
+    for (int nt = 0; nt < STATE_NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+            unsigned hi, lo;
+            split_f16_pair(acc[nt][e], acc[nt][e + 1], hi, lo);
+            const int at = state_row(e) * SPLIT_LDH + state_col(nt, e);
+            *reinterpret_cast<unsigned*>(planes + at) = hi;
+            *reinterpret_cast<unsigned*>(planes + PLANE + at) = lo;
+        }
+}
+
+// gdn_chunk_walk_split's grid, block, arguments and phases; shared memory: V'^T, U, the scales and c as there,
+// then 2 x [32][SPLIT_LDH] S^T as fp16 hi, lo, [64][SPLIT_LDH] q rows and [DK][SPLIT_LDCH] k^T as fp16.
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+gdn_chunk_walk_split_f16(const bf16* __restrict__ conv_out, const float* __restrict__ norms,
+                         const float* __restrict__ w_in, const float* __restrict__ u_in,
+                         const float* __restrict__ p_in, const float* __restrict__ cum_in,
+                         const int* __restrict__ chunk_start, const int* __restrict__ chunk_len,
+                         const int* __restrict__ seq_chunks, const int* __restrict__ slots,
+                         const int* __restrict__ fresh, float* __restrict__ ssm_state, bf16* __restrict__ core,
+                         int num_key_heads, int num_value_heads, int dv) {
+    GDN_DYNAMIC_SHARED(smem);
+    const int j0 = blockIdx.x * SPLIT_TILE, s = blockIdx.y, h = blockIdx.z;
+    const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
+    const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv, conv_dim = 2 * key_dim + value_dim;
+    const int warp = threadIdx.x >> 5, row0 = 16 * warp;
+    constexpr int PLANE = SPLIT_TILE * SPLIT_LDH;
+    float* vt = reinterpret_cast<float*>(smem);            // [32][SPLIT_LDF] V'^T
+    float* us = vt + SPLIT_TILE * SPLIT_LDF;               // [64][SPLIT_LDU] the chunk's U, the tile's channels
+    float* row_scale = us + SPLIT_CHUNK * SPLIT_LDU;       // [64] rq exp(c)
+    float* tail_scale = row_scale + SPLIT_CHUNK;           // [64] rk exp(c_C - c)
+    float* cum = tail_scale + SPLIT_CHUNK;                 // [64]
+    unsigned short* planes = reinterpret_cast<unsigned short*>(cum + SPLIT_CHUNK);  // 2 x [32][SPLIT_LDH]
+    unsigned short* qh = planes + 2 * PLANE;               // [64][SPLIT_LDH] q rows (fp16)
+    unsigned short* kth = qh + SPLIT_CHUNK * SPLIT_LDH;    // [DK][SPLIT_LDCH] k^T (fp16)
+
+    SPLIT_PHASES_BEGIN();
+    float* state = ssm_state + ((size_t)slots[s] * num_value_heads + h) * DK * dv;
+    const bool is_fresh = fresh[s] != 0;
+    float sacc[STATE_NT][4];  // this warp's region of S^T (fp32)
+#pragma unroll
+    for (int nt = 0; nt < STATE_NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            sacc[nt][e] = is_fresh ? 0.f : state[(size_t)state_col(nt, e) * dv + j0 + state_row(e)];
+    store_state_planes_f16(sacc, planes);
+    SPLIT_PHASE(1);  // the state loaded, its planes
+    for (int c = seq_chunks[s]; c < seq_chunks[s + 1]; ++c) {
+        const int t0 = chunk_start[c], n = chunk_len[c];
+        const float* p = p_in + ((size_t)c * num_value_heads + h) * SPLIT_CHUNK * SPLIT_CHUNK;
+        float2 wf[DK / 16][4], pf[SPLIT_CHUNK / 16][4];
+        {
+            const size_t w_stride = (size_t)num_value_heads * DK;
+            const float* w_rows = w_in + ((size_t)t0 * num_value_heads + h) * DK;
+#pragma unroll
+            for (int kt16 = 0; kt16 < DK / 16; ++kt16) load_a_rows_f32(wf[kt16], w_rows, w_stride, row0, n, 16 * kt16);
+#pragma unroll
+            for (int kt16 = 0; kt16 < SPLIT_CHUNK / 16; ++kt16)
+                if (16 * kt16 <= row0) load_a_f32(pf[kt16], p + row0 * SPLIT_CHUNK + 16 * kt16, SPLIT_CHUNK, nullptr);
+        }
+        __syncthreads();  // the last chunk's readers are done, its state planes written
+        load_qk_rows(conv_out + (size_t)t0 * conv_dim + key_head * DK, conv_dim, key_dim, n,
+                     [&](int r, int i, const Bf16x8& q8, const Bf16x8& k8) {
+                         F16x8 q16;
+#pragma unroll
+                         for (int m = 0; m < 8; ++m) {
+                             q16.x[m] = f16_from_bf16(q8.x[m]);
+                             kth[(i + m) * SPLIT_LDCH + r] = f16_from_bf16(k8.x[m]);
+                         }
+                         *reinterpret_cast<F16x8*>(qh + r * SPLIT_LDH + i) = q16;
+                     });
+        for (int e = threadIdx.x; e < SPLIT_CHUNK * (SPLIT_TILE / 4); e += SPLIT_THREADS) {  // U (rows past n: 0)
+            const int r = e / (SPLIT_TILE / 4), j = 4 * (e % (SPLIT_TILE / 4));
+            float4 u4 = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (r < n) u4 = *reinterpret_cast<const float4*>(u_in + ((size_t)(t0 + r) * num_value_heads + h) * dv + j0 + j);
+            *reinterpret_cast<float4*>(us + r * SPLIT_LDU + j) = u4;
+        }
+        float q_norm = 0.f, k_norm = 0.f;  // row threadIdx.x's (rows past the chunk: 0)
+        if (threadIdx.x < SPLIT_CHUNK) {
+            const int r = threadIdx.x < n ? threadIdx.x : n - 1;
+            cum[threadIdx.x] = cum_in[(size_t)(t0 + r) * num_value_heads + h];
+            if (threadIdx.x < n) {
+                const float* nq = norms + ((size_t)(t0 + r) * num_key_heads + key_head) * 2;
+                q_norm = nq[0];
+                k_norm = nq[1];
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < SPLIT_CHUNK) {  // (read after the next barrier)
+            const int r = threadIdx.x;
+            row_scale[r] = q_norm * expf(cum[r]);
+            tail_scale[r] = k_norm * expf(cum[SPLIT_CHUNK - 1] - cum[r]);
+        }
+        SPLIT_PHASE(2);  // the chunk's W / P fragments, q / k^T / U tiles, scales
+        // V' = U - W S (W hi / lo x S hi / lo: 3 mmas) and Q S (q exact x S hi / lo: 2) in one pass over S's
+        // planes: warp w rows 16w .., the tile's 32 channels
+        float inter[4][4] = {};
+        {
+            float acc[4][4] = {}, acc_lo[4][4] = {}, inter_lo[4][4] = {};
+#pragma unroll
+            for (int k0 = 0; k0 < DK; k0 += 16) {
+                const float2* f = wf[k0 / 16];
+                unsigned whi[4], wlo[4], a[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) split_f16_pair(f[e].x, f[e].y, whi[e], wlo[e]);
+                load_a_raw(a, qh + row0 * SPLIT_LDH + k0, SPLIT_LDH);
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    unsigned bhi[2], blo[2];
+                    load_b_raw(bhi, planes + nt * 8 * SPLIT_LDH + k0, SPLIT_LDH);
+                    load_b_raw(blo, planes + PLANE + nt * 8 * SPLIT_LDH + k0, SPLIT_LDH);
+                    mma_f16_16816(acc[nt], whi, bhi[0], bhi[1]);
+                    MMA_F16_PART(acc_lo[nt], whi, blo[0], blo[1]);
+                    MMA_F16_PART(acc_lo[nt], wlo, bhi[0], bhi[1]);
+                    mma_f16_16816(inter[nt], a, bhi[0], bhi[1]);
+                    MMA_F16_PART(inter_lo[nt], a, blo[0], blo[1]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; e += 2) {
+                    inter[nt][e] += F16_LO_UNSCALE * inter_lo[nt][e];
+                    inter[nt][e + 1] += F16_LO_UNSCALE * inter_lo[nt][e + 1];
+                    const int r = row0 + acc_row(e), j = acc_col(nt, e);
+                    const float2 u = load_f2(us + r * SPLIT_LDU + j);
+                    const float ws0 = acc[nt][e] + F16_LO_UNSCALE * acc_lo[nt][e];
+                    const float ws1 = acc[nt][e + 1] + F16_LO_UNSCALE * acc_lo[nt][e + 1];
+                    vt[j * SPLIT_LDF + r] = r < n ? u.x - ws0 : 0.f;
+                    vt[(j + 1) * SPLIT_LDF + r] = r < n ? u.y - ws1 : 0.f;
+                }
+        }
+        __syncthreads();
+        SPLIT_PHASE(3);  // V' = U - W S and Q S (tensor cores)
+        // O = diag(rq exp(c)) Q S + P V' (P, V' hi / lo: 3 mmas), rows 16w ..
+        {
+            float intra[4][4] = {}, intra_lo[4][4] = {};
+#pragma unroll
+            for (int k0 = 0; k0 < SPLIT_CHUNK; k0 += 16) {
+                if (k0 > row0) break;
+                unsigned ahi[4], alo[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) split_f16_pair(pf[k0 / 16][e].x, pf[k0 / 16][e].y, ahi[e], alo[e]);
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    float2 fb[2];
+                    load_b_f32(fb, vt + nt * 8 * SPLIT_LDF + k0, SPLIT_LDF);
+                    unsigned bhi[2], blo[2];
+                    split_f16_pair(fb[0].x, fb[0].y, bhi[0], blo[0]);
+                    split_f16_pair(fb[1].x, fb[1].y, bhi[1], blo[1]);
+                    mma_f16_16816(intra[nt], ahi, bhi[0], bhi[1]);
+                    MMA_F16_PART(intra_lo[nt], ahi, blo[0], blo[1]);
+                    MMA_F16_PART(intra_lo[nt], alo, bhi[0], bhi[1]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; e += 2) {
+                    const int r = row0 + acc_row(e);
+                    if (r < n) {
+                        const float o0 = row_scale[r] * inter[nt][e] + intra[nt][e] + F16_LO_UNSCALE * intra_lo[nt][e];
+                        const float o1 = row_scale[r] * inter[nt][e + 1] + intra[nt][e + 1] +
+                                         F16_LO_UNSCALE * intra_lo[nt][e + 1];
+                        *reinterpret_cast<unsigned*>(core + (size_t)(t0 + r) * value_dim + (size_t)h * dv + j0 +
+                                                     acc_col(nt, e)) = pack_bf16x2(o0, o1);
+                    }
+                }
+        }
+        SPLIT_PHASE(4);  // P V' (tensor cores), O stored
+        // S^T <- exp(c_C) S^T + (diag(rk exp(c_C - c)) V')^T K (V' side hi / lo: 2 mmas, the lo products summed
+        // apart), then this warp's planes rewritten
+        {
+            const int srow = 16 * (warp & 1), scol = (warp >> 1) * (DK / 2);
+            const float chunk_decay = expf(cum[SPLIT_CHUNK - 1]);
+            float update_lo[STATE_NT][4] = {};
+#pragma unroll
+            for (int nt = 0; nt < STATE_NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sacc[nt][e] *= chunk_decay;
+            for (int k0 = 0; k0 < SPLIT_CHUNK; k0 += 16) {
+                if (k0 >= n) break;
+                float2 f[4];
+                load_a_f32(f, vt + srow * SPLIT_LDF + k0, SPLIT_LDF, tail_scale + k0);
+                unsigned hi[4], lo[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) split_f16_pair(f[e].x, f[e].y, hi[e], lo[e]);
+#pragma unroll
+                for (int nt = 0; nt < STATE_NT; ++nt) {
+                    unsigned b[2];
+                    load_b_raw(b, kth + (scol + nt * 8) * SPLIT_LDCH + k0, SPLIT_LDCH);
+                    mma_f16_16816(sacc[nt], hi, b[0], b[1]);
+                    MMA_F16_PART(update_lo[nt], lo, b[0], b[1]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < STATE_NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sacc[nt][e] += F16_LO_UNSCALE * update_lo[nt][e];
+            store_state_planes_f16(sacc, planes);  // (every warp read the planes before the barrier after V')
+        }
+        SPLIT_PHASE(5);  // the state update (tensor cores), its planes
+    }
+#pragma unroll
+    for (int nt = 0; nt < STATE_NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) state[(size_t)state_col(nt, e) * dv + j0 + state_row(e)] = sacc[nt][e];
+    SPLIT_PHASE(6);  // the state stored
+    SPLIT_PHASES_DONE();
 }

@@ -1,8 +1,8 @@
 // Runs the fp32 chunked prefill (gdn_chunked_fp32.cu: gdn_conv1d -> gdn_chunk_prepare_fp32 ->
 // gdn_chunk_walk_fp32), the split-operand tensor-core one (gdn_chunked_split.cu: gdn_chunk_prepare_split ->
-// gdn_chunk_walk_split) on the CPU (tests/helpers/cuda_host) and, on the same conv_out, the token-by-token
-// kernel gdn_delta_rule (fp32: the accuracy reference), for test_qwen35_cuda_emulated.py; writes their
-// cores (bf16) and final states.
+// gdn_chunk_walk_split, and its fp16-part walk gdn_chunk_walk_split_f16) on the CPU (tests/helpers/cuda_host)
+// and, on the same conv_out, the token-by-token kernel gdn_delta_rule (fp32: the accuracy reference), for
+// test_qwen35_cuda_emulated.py; writes their cores (bf16) and final states.
 #define MMA_HOST_STANDIN  // core's mma.cuh: no PTX; harness.h defines mma_bf16_16816
 #define GDN_DYNAMIC_SHARED(name) alignas(16) static unsigned char name[1 << 18]
 #include <cuda_bf16.h>
@@ -68,6 +68,15 @@ int main(int argc, char** argv) {
     });
     save(dir, "split_core.bin", split_core);
     save(dir, "split_ssm_state.bin", split_ssm);
+    auto split_f16_ssm = load<float>(dir, "ssm_state.bin");
+    std::vector<bf16> split_f16_core(core.size());
+    launch(dv / SPLIT_TILE, num_seqs, nv, SPLIT_THREADS, [&] {
+        gdn_chunk_walk_split_f16(conv_out.data(), norms.data(), w.data(), u.data(), p.data(), cum.data(),
+                                 chunk_start.data(), chunk_len.data(), seq_chunks.data(), slots.data(), fresh.data(),
+                                 split_f16_ssm.data(), split_f16_core.data(), nk, nv, dv);
+    });
+    save(dir, "split_f16_core.bin", split_f16_core);
+    save(dir, "split_f16_ssm_state.bin", split_f16_ssm);
     auto base_ssm = load<float>(dir, "ssm_state.bin");
     std::vector<bf16> base_core(core.size());
     const int tile_dv = dv < 32 ? dv : 32;  // as cuda_ops.TILE_DV
