@@ -1154,6 +1154,7 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
                       "($OPENINFER_L2_WEIGHT_PREFETCH_MB=32; the layer bench only)",
     "decode_pdl": "programmatic dependent launch of the one-row GEMVs, decode routers and lane-groups INT4 GEMV "
                   "($OPENINFER_DECODE_PDL=1)",
+    "shared_after_route": "the shared expert's side stream forked after the routing ($OPENINFER_MOE_SHARED_AFTER_ROUTE=1)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1264,7 +1265,8 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "int4_row_blocks": (cuda_moe.INT4_ROW_BLOCKS_ENV, "auto"),
                 "rms_scaled": ("OPENINFER_RMS_SCALED_GEMV", "1"),
                 "oproj_prefetch": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "32"),
-                "decode_pdl": ("OPENINFER_DECODE_PDL", "1")}
+                "decode_pdl": ("OPENINFER_DECODE_PDL", "1"),
+                "shared_after_route": (cuda_moe.SHARED_AFTER_ROUTE_ENV, "1")}
     for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
         os.environ.pop(env, None)
     for option, (env, value) in switches.items():

@@ -154,11 +154,13 @@ def test_int4_layout_switch(rng, monkeypatch, layout):
         moe.tiled_int4(stored, "columns")
 
 
+@pytest.mark.parametrize("after_route", ["0", "1"])
 @pytest.mark.parametrize("tokens", [1, 3, 64])
-def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens):
+def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens, after_route):
     """$OPENINFER_MOE_SHARED_OVERLAP=1 (unset: up to SHARED_OVERLAP_MAX_TOKENS tokens): moe_forward runs
-    the shared expert on a side stream beside the routed ones; the same kernels on the same inputs give
-    the same bits as inline, eagerly and replayed from a CUDA graph captured across both streams."""
+    the shared expert on a side stream beside the routed ones (OPENINFER_MOE_SHARED_AFTER_ROUTE=1: forked after
+    the routing); the same kernels on the same inputs give the same bits as inline, eagerly and replayed from a
+    CUDA graph captured across both streams."""
     from openinfer.moe import RouterSpec
 
     moe = _moe_cuda()
@@ -178,6 +180,7 @@ def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens):
     def step():
         return moe.moe_forward(cuda_backend, x, layer, shared_experts=shared_experts)
 
+    monkeypatch.setenv(moe.SHARED_AFTER_ROUTE_ENV, after_route)
     monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "0")
     inline = cuda_backend.to_host(step())
     assert np.array_equal(inline, cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer,
