@@ -270,8 +270,17 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                      const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                      const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
                      bf16* __restrict__ out, int N, int K) {
-    decode_pdl_launch_dependents();  // DECODE_PDL: the next kernel launches once this grid's last CTA started;
-    decode_pdl_wait();               // the tile list and the activations come from the kernels before
+    // DECODE_PDL (decode_pdl.cuh): the next kernel launches once this grid's last CTA started. 1: wait at once
+    // (the tile list may come from the previous kernel: gate_up after the routing); 2 (the host's tables_ready:
+    // the down projection after gate_up): the tile list and the weights are older, so the first chunks' weights
+    // load before the wait, the activations after it
+    decode_pdl_launch_dependents();
+#if DECODE_PDL != 2 || GROUPS_STAGES
+    decode_pdl_wait();
+    bool waited = true;
+#else
+    bool waited = false;
+#endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     // GROUPS_ROW_BLOCKS column blocks in turn (a block-uniform loop: the KSPLIT barriers stay matched)
     for (int row_block = 0; row_block < GROUPS_ROW_BLOCKS; ++row_block) {
@@ -410,6 +419,10 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                     ring[d] = groups_load(rows_of_warp, load_chunk);
                     load_chunk = next_chunk(load_chunk);
                 }
+            if (!waited) {  // DECODE_PDL 2: the ring's first chunks are in flight
+                decode_pdl_wait();
+                waited = true;
+            }
             // the activations of the c-th chunk walked in xv[c % 2] (GROUPS_DEPTH even: a static index in the ring)
             uint4 xv[2][GROUPS_PAIRS][4];
             groups_x_load(xv[0], x_at, x_stride, start);

@@ -482,12 +482,15 @@ def test_weight_prefetch_is_a_hint(cuda_backend, rng, monkeypatch):
         cuda_linear.weight_prefetch_bytes()
 
 
+@pytest.mark.parametrize("silu", ["0", "1"])
 @pytest.mark.parametrize("router", ["warps", "blocks", "fused"])
-def test_decode_pdl_same_bits(cuda_backend, rng, monkeypatch, router):
+def test_decode_pdl_same_bits(cuda_backend, rng, monkeypatch, router, silu):
     """OPENINFER_DECODE_PDL=1 (programmatic dependent launch of gemv_m1, gemv_m1_rms_scaled, the decode routers,
     moe_route_sort and moe_gemv_int4_groups; weights loaded before the wait for the previous kernel): a batch-1
     chain of them — q_a_norm + q_b (one launch), a dense GEMV, then the MoE block with lane-groups INT4 experts —
-    gives the bits of plain launches, on a stream of its own eagerly and replayed from a CUDA graph."""
+    gives the bits of plain launches, on a stream of its own eagerly and replayed from a CUDA graph; the down
+    GEMV loads its first weight chunks before the wait (DECODE_PDL 2), after silu_mul or (OPENINFER_MOE_GEMV_SILU=1)
+    right after the fused gate_up GEMV."""
     from openinfer.backend.cuda import linear as cuda_linear
     from openinfer.moe import RouterSpec
 
@@ -506,6 +509,7 @@ def test_decode_pdl_same_bits(cuda_backend, rng, monkeypatch, router):
     monkeypatch.setenv(cuda_linear.RMS_SCALED_GEMV_ENV, "1")
     monkeypatch.setenv(moe.ROUTER_BLOCKS_ENV, "1" if router == "blocks" else "0")
     monkeypatch.setenv(moe.ROUTER_FUSED_ENV, "1" if router == "fused" else "0")
+    monkeypatch.setenv(moe.GEMV_SILU_ENV, silu)
 
     def step():
         q, _ = cuda_backend.add_rms_norm_linear(x, None, norm, 1e-6, q_b)

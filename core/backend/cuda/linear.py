@@ -77,11 +77,13 @@ def decode_pdl() -> bool:
     return DEFAULT_DECODE_PDL if value == "" else value in ("1", "true", "on")
 
 
-def launch_decode(source: str, name: str, grid, block, args: tuple, shared_mem: int = 0, **defines: int) -> None:
-    """``kernel(source, name, **defines)`` launched plainly, or built with DECODE_PDL and launched after the
+def launch_decode(source: str, name: str, grid, block, args: tuple, shared_mem: int = 0, pdl_mode: int = 1,
+                  **defines: int) -> None:
+    """``kernel(source, name, **defines)`` launched plainly, or built with DECODE_PDL = ``pdl_mode`` (2: the
+    kernel's mode for inputs written before the previous kernel, where it has one) and launched after the
     previous kernel by programmatic dependent launch where ``decode_pdl``."""
     if decode_pdl():
-        launch(kernel(source, name, **defines, DECODE_PDL=1), grid, block, args, shared_mem=shared_mem,
+        launch(kernel(source, name, **defines, DECODE_PDL=pdl_mode), grid, block, args, shared_mem=shared_mem,
                after_previous=True)
     else:
         kernel(source, name, **defines)(grid, block, args, shared_mem=shared_mem)

@@ -826,10 +826,11 @@ def layout_gemv(weight: ExpertLinear, name: str | None, gemv_kernel: str | None 
     return name
 
 
-def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, name: str) -> None:
+def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, name: str,
+                 tables_ready: bool = False) -> None:
     """GEMV kernel ``name`` (moe_gemv / moe_gemv_wide / moe_gemv_mma) over ``grid_rows`` tiles
     (grouped) or ``dense_rows`` rows (dense mode: ``grid_rows`` 0). ``args``: the kernels' shared
-    argument list."""
+    argument list; ``tables_ready``: see ``grouped_gemm``."""
     if name == "moe_gemv":
         rows_grid = grid_rows or -(-dense_rows // GEMV_ROWS)
         weight._kernel("moe_gemv")((-(-weight.out_features // GEMV_WARPS), rows_grid), (GEMV_WARPS * 32,), args)
@@ -843,7 +844,7 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
             if row_blocks > 1:
                 defines = {**defines, "GROUPS_ROW_BLOCKS": row_blocks}
             launch_decode("moe_int4.cu", "moe_gemv_int4_groups", (-(-column_blocks // row_blocks), grid_rows or 1),
-                          (MMA_GEMV_WARPS * 32,), args, **defines)
+                          (MMA_GEMV_WARPS * 32,), args, pdl_mode=2 if tables_ready else 1, **defines)
             return
         defines = {"MMA_GEMV_NTILES": 2}  # other layouts: moe_gemv_mma
         name = "mma"
@@ -907,7 +908,7 @@ def _grouped_by_blas(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrou
 def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
                  gemv: bool | None = None, *, gemv_kernel: str | None = None, blas=None,
                  pipelined: str | None = None, pipe_shape: str | None = None, sm90: bool | None = None,
-                 overlap_previous: bool = False) -> cupy.ndarray:
+                 overlap_previous: bool = False, tables_ready: bool = False) -> cupy.ndarray:
     """Rows in expert order: ``out[p] = A[row(p)] · W_e(p)^T`` with ``row(p)`` the token of slot p
     (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16. ``gemv``: force (True) or forbid
     (False) the decode GEMV; None lets ``choose_gemv`` decide by the slots per expert.
@@ -920,7 +921,9 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     ``sm90``: force (True; the caller checks ``sm90_ready``) or forbid the Hopper kernel (moe_sm90.py);
     None takes it where ``sm90_experts`` says (OPENINFER_MOE_SM90, bf16 experts above
     SM90_ABOVE_ROWS_PER_EXPERT slots per expert) unless the caller picked a path (``gemv``,
-    ``gemv_kernel``, ``pipelined``) or a GEMV is forced; ``overlap_previous``: see ``grouped_gemm_sm90``."""
+    ``gemv_kernel``, ``pipelined``) or a GEMV is forced; ``overlap_previous``: see ``grouped_gemm_sm90``.
+    ``tables_ready``: the grouping was written before the stream's previous kernel (the down projection after
+    gate_up): with OPENINFER_DECODE_PDL the lane-groups GEMV may read it and the weights before it waits."""
     num_slots = int(grouping.sorted_slots.size)
     a = cupy.ascontiguousarray(a)
     if sm90 is None:
@@ -951,7 +954,7 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
         _launch_pipelined(weight, grouping.max_tiles, head[:4] + tables, False, pipe_shape or pipe_shape_for(per_expert))
         return out
     if name is not None and weight.gemv_ready(a):
-        _launch_gemv(weight, head + tables, grouping.max_tiles, 0, name)
+        _launch_gemv(weight, head + tables, grouping.max_tiles, 0, name, tables_ready)
         return out
     grid = (grouping.max_tiles, -(-weight.out_features // TILE_N))
     weight._kernel()(grid, (GEMM_THREADS,), head + tables + (np.int32(_vectorised(a, weight)),))
@@ -1524,8 +1527,8 @@ def gate_up_silu_gemv(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGr
             raise ValueError(f"the decode GEMV {name!r} reads lane-groups INT4 weights; this gate_up's layout is "
                              f"{gate_up.layout!r}")
         columns = MMA_GEMV_WARPS // defines.get("GROUPS_KSPLIT", 1) * 8
-        kernel("moe_int4.cu", "moe_gemv_int4_groups", **defines, GROUPS_FUSE_SILU=1)(
-            (-(-inter // columns), grouping.max_tiles), (MMA_GEMV_WARPS * 32,), args)
+        launch_decode("moe_int4.cu", "moe_gemv_int4_groups", (-(-inter // columns), grouping.max_tiles),
+                      (MMA_GEMV_WARPS * 32,), args, **defines, GROUPS_FUSE_SILU=1)
     elif name in TILED_GEMVS:
         columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
         gate_up._kernel("moe_gemv_int4_tiled", **{**defines, "TILED_ROW_BLOCKS": 1, "TILED_FUSE_SILU": 1})(
@@ -1557,4 +1560,5 @@ def routed_experts(backend, x: cupy.ndarray, gate_up: ExpertLinear, down: Expert
         activated = backend.silu_mul(grouped_gemm(x, gate_up, grouping, gather=True, blas=backend.blas))
     # after the Hopper gate_up (launched once the grouping completed) down may overlap its last wave
     # (OPENINFER_MOE_SM90_PDL)
-    return grouped_gemm(activated, down, grouping, gather=False, blas=backend.blas, overlap_previous=sm90_gate_up)
+    return grouped_gemm(activated, down, grouping, gather=False, blas=backend.blas, overlap_previous=sm90_gate_up,
+                        tables_ready=True)
