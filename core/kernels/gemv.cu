@@ -57,6 +57,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
 #pragma unroll
                 for (int c = 0; c < COLS; ++c) raw[u][c] = *reinterpret_cast<const uint4*>(wrow[c] + k + u * STEP);
         decode_pdl_wait();
+        decode_pdl_launch_dependents();  // after the wait: a dependent may read what the kernel before wrote
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             if (k + u * STEP >= K) break;
@@ -174,7 +175,6 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
         bf16 *__restrict__ y, int M, int N, int K
 
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m1(GEMV_ARGS) {
-    decode_pdl_launch_dependents();
     gemv_tile<1, 1, GEMV_M1_UNROLL, DECODE_PDL != 0>(x, w, bias, y, M, N, K, blockIdx.x);
 }
 
@@ -199,7 +199,6 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m8(GEMV_
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
 gemv_m1_rms_scaled(const bf16* __restrict__ x, const bf16* __restrict__ norm_weight, float eps,
                    const bf16* __restrict__ w, const bf16* __restrict__ bias, bf16* __restrict__ y, int N, int K) {
-    decode_pdl_launch_dependents();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n = blockIdx.x * WARPS_PER_BLOCK + warp;
     if (n >= N) return;
@@ -214,6 +213,7 @@ gemv_m1_rms_scaled(const bf16* __restrict__ x, const bf16* __restrict__ norm_wei
             if (k0 + u * STEP < K) raw[u] = *reinterpret_cast<const uint4*>(wrow + k0 + u * STEP);
         if (!waited) {
             decode_pdl_wait();
+            decode_pdl_launch_dependents();  // after the wait (see gemv_tile)
             waited = true;
         }
 #pragma unroll
@@ -231,7 +231,10 @@ gemv_m1_rms_scaled(const bf16* __restrict__ x, const bf16* __restrict__ norm_wei
             }
         }
     }
-    if (!waited) decode_pdl_wait();
+    if (!waited) {
+        decode_pdl_wait();
+        decode_pdl_launch_dependents();
+    }
     acc = warp_sum(acc);
     ss = warp_sum(ss);
     if (lane == 0) {

@@ -270,13 +270,13 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                      const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                      const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
                      bf16* __restrict__ out, int N, int K) {
-    // DECODE_PDL (decode_pdl.cuh): the next kernel launches once this grid's last CTA started. 1: wait at once
-    // (the tile list may come from the previous kernel: gate_up after the routing); 2 (the host's tables_ready:
-    // the down projection after gate_up): the tile list and the weights are older, so the first chunks' weights
-    // load before the wait, the activations after it
-    decode_pdl_launch_dependents();
+    // DECODE_PDL (decode_pdl.cuh): 1: wait at once (the tile list may come from the previous kernel: gate_up after
+    // the routing); 2 (the host's tables_ready: the down projection after gate_up): the tile list and the weights
+    // are older, so the first chunks' weights load before the wait, the activations after it. The next kernel may
+    // launch once every CTA is past its wait (so what it reads of earlier kernels is complete too).
 #if DECODE_PDL != 2 || GROUPS_STAGES
     decode_pdl_wait();
+    decode_pdl_launch_dependents();
     bool waited = true;
 #else
     bool waited = false;
@@ -421,6 +421,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                 }
             if (!waited) {  // DECODE_PDL 2: the ring's first chunks are in flight
                 decode_pdl_wait();
+                decode_pdl_launch_dependents();
                 waited = true;
             }
             // the activations of the c-th chunk walked in xv[c % 2] (GROUPS_DEPTH even: a static index in the ring)

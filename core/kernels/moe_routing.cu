@@ -441,8 +441,8 @@ moe_route_sort(const float* __restrict__ logits, const float* __restrict__ bias 
     __shared__ int slot_expert[ROUTE_SORT_MAX_SLOTS];
     __shared__ int count[GROUP_MAX_EXPERTS];  // slots per expert, then each expert's next free row
     __shared__ int scratch[32];
-    decode_pdl_launch_dependents();
     decode_pdl_wait();  // everything it reads came from the previous kernel
+    decode_pdl_launch_dependents();
     route_sort_block(logits, bias, num_tokens, num_experts, top_k, scoring, norm_topk, scaling, ids, weights, offsets,
                      sorted_slots, slot_pos, tile_expert, tile_row, num_tiles, max_tiles, slot_expert, count, scratch);
 }
@@ -480,6 +480,7 @@ __device__ __forceinline__ void router_expert_logits(const bf16* __restrict__ x,
         if (tid * 8 + j * (int)blockDim.x * 8 < hidden)
             first[j] = *reinterpret_cast<const uint4*>(w + tid * 8 + j * blockDim.x * 8);
     decode_pdl_wait();
+    decode_pdl_launch_dependents();  // after the wait: a dependent may read what the kernel before wrote
     int chunk = 0;
 #pragma unroll 2
     for (int i = tid * 8; i < hidden; i += blockDim.x * 8, ++chunk) {
@@ -525,7 +526,6 @@ __device__ __forceinline__ void router_expert_logits(const bf16* __restrict__ x,
 extern "C" __global__ void __launch_bounds__(1024)
 moe_router_logits_blocks(const bf16* __restrict__ x, const bf16* __restrict__ gate, int num_tokens, int hidden,
                          int num_experts, float* __restrict__ logits) {
-    decode_pdl_launch_dependents();
     __shared__ float partial[32][ROUTER_BLOCKS_MAX_TOKENS];
     router_expert_logits(x, gate, num_tokens, hidden, num_experts, logits, partial);
 }
@@ -545,7 +545,6 @@ moe_router_route_sort(const bf16* __restrict__ x, const bf16* __restrict__ gate,
     __shared__ int count[GROUP_MAX_EXPERTS];
     __shared__ int scratch[32];
     __shared__ int last;
-    decode_pdl_launch_dependents();
     router_expert_logits(x, gate, num_tokens, hidden, num_experts, logits, partial);
     // the last block to get here routes the step: the others' logits are visible to it after their fences
     __threadfence();
