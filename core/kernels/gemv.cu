@@ -194,16 +194,19 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m8(GEMV_
 // q_a_norm + q_b: the norm a launch of its own before gemv_m1, ~5 us at batch 1 for a 3 KB row). A warp's
 // lanes walk the whole x row (16-byte chunks 8·lane + 256·j), so each warp sums x² itself, beside its column's
 // Σ x·g·w (fp32); the column's sum is scaled by rsqrt(Σx²/K + eps) at the end. The weight row's loads issue
-// first, as gemv_m1's (a pass of GEMV_M1_UNROLL, the partial last pass all at once). Not the bits of rms_norm
+// first, as gemv_m1's (passes of RMS_SCALED_UNROLL, the partial last pass all at once). Not the bits of rms_norm
 // then gemv_m1 (that rounds the normalised row to bf16 twice): fp32 throughout, within bf16 rounding.
-extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
+#ifndef RMS_SCALED_UNROLL
+#define RMS_SCALED_UNROLL 6  // a pass of 6 loads (Kimi-K2's q_b: K = 1536 in one): 48 registers, 5 blocks an SM as gemv_m1
+#endif
+extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32, 5)
 gemv_m1_rms_scaled(const bf16* __restrict__ x, const bf16* __restrict__ norm_weight, float eps,
                    const bf16* __restrict__ w, const bf16* __restrict__ bias, bf16* __restrict__ y, int N, int K) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n = blockIdx.x * WARPS_PER_BLOCK + warp;
     if (n >= N) return;
     const bf16* wrow = w + (size_t)n * K;
-    constexpr int STEP = 32 * 8, UNROLL = GEMV_M1_UNROLL;
+    constexpr int STEP = 32 * 8, UNROLL = RMS_SCALED_UNROLL;
     float acc = 0.f, ss = 0.f;
     bool waited = !DECODE_PDL;  // the weights' first pass in flight before the wait for x (decode_pdl.cuh)
     for (int k0 = lane * 8; k0 < K; k0 += UNROLL * STEP) {
