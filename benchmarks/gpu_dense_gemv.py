@@ -28,9 +28,13 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 # (name, out_features N, in_features K, kernel): kernel "plain" gemv_m1, "norm" the RMSNorm-fused
-# one (as add_rms_norm_linear runs q_a_norm + q_b), "silu" the SiLU·mul-fused one (K = I, input 2I)
+# one (as add_rms_norm_linear runs q_a_norm + q_b with fuse_decode), "norm_two" rms_norm then gemv_m1 (what it
+# runs by default), "norm_scaled" gemv_m1_rms_scaled (OPENINFER_RMS_SCALED_GEMV=1), "silu" the SiLU·mul-fused
+# one (K = I, input 2I)
 SHAPES: dict[str, list[tuple[str, int, int, str]]] = {
     "kimi": [("qkv_a", 2112, 7168, "plain"), ("q_b", 12288, 1536, "plain"), ("q_a_norm+q_b", 12288, 1536, "norm"),
+             ("q_a_norm+q_b two launches", 12288, 1536, "norm_two"),
+             ("q_a_norm+q_b scaled", 12288, 1536, "norm_scaled"),
              ("o_proj", 7168, 8192, "plain"),
              ("shared gate_up", 4096, 7168, "plain"), ("shared silu+down", 7168, 2048, "silu")],
     "moonlight": [("q+kv_a", 3648, 2048, "plain"), ("o_proj", 2048, 2048, "plain"),
@@ -67,11 +71,23 @@ def launcher(kind: str, n: int, k: int, defines: dict[str, int], num_sms: int):
         fn = kernel("gemv.cu", "gemv_m1_cols" if "GEMV_M1_COLS" in defines else "gemv_m1", **defines)
         grid = (-(-n // (GEMV_WARPS_PER_BLOCK * columns)),)
         return lambda x, w, out: fn(grid, threads, (x, w, null, out, np.int32(1), np.int32(n), np.int32(k)))
+    norm = cupy.ones(k, cupy.uint16) * np.uint16(0x3F80)  # bf16 1.0
+    if kind == "norm_scaled":
+        fn = kernel("gemv.cu", "gemv_m1_rms_scaled", **defines)
+        grid = (-(-n // GEMV_WARPS_PER_BLOCK),)
+        return lambda x, w, out: fn(grid, threads, (x, norm, np.float32(1e-6), w, null, out, np.int32(n), np.int32(k)))
+    if kind == "norm_two":  # the CUDA backend's rms_norm (its kernel for the row), then gemv_m1
+        from openinfer.backend.cuda import CudaBackend
+
+        backend = CudaBackend()
+        fn = kernel("gemv.cu", "gemv_m1", **defines)
+        grid = (-(-n // GEMV_WARPS_PER_BLOCK),)
+        return lambda x, w, out: fn(grid, threads, (backend.rms_norm(x, norm, 1e-6), w, null, out, np.int32(1),
+                                                    np.int32(n), np.int32(k)))
     grid = (fused_grid(n, num_sms, FUSED_LAUNCH.blocks_per_sm),)
     prefetch = np.int32(FUSED_LAUNCH.prefetch_bytes)
     if kind == "norm":
         fn = kernel("gemv.cu", "gemv_m1_add_rms_norm", **defines)
-        norm = cupy.ones(k, cupy.uint16) * np.uint16(0x3F80)  # bf16 1.0
         threads_norm = np.int32(min(1024, max(32, -(-k // 32) * 32 // 2)))
         return lambda x, w, out: fn(grid, threads, (x, null, norm, np.float32(1e-6), threads_norm, w, null, out, null,
                                                     np.int32(n), np.int32(k), prefetch), shared_mem=2 * k)

@@ -1141,6 +1141,20 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "no_gemv_silu": "SiLU·mul as its own launch after the gate_up GEMV ($OPENINFER_MOE_GEMV_SILU=0)",
     "route_sort": "a decode step's top-k and grouping in one block, moe_route_sort ($OPENINFER_MOE_ROUTE_SORT=1)",
     "route_warps": "top-k by a warp per token, moe_route_warps ($OPENINFER_MOE_ROUTE_WARPS=1)",
+    "router_blocks": "decode router logits with a block per expert, moe_router_logits_blocks "
+                     "($OPENINFER_MOE_ROUTER_BLOCKS=1)",
+    "router_fused": "a decode step's router logits, top-k and grouping in one launch, moe_router_route_sort "
+                    "($OPENINFER_MOE_ROUTER_FUSED=1)",
+    "no_router_blocks": "decode router logits by moe.cu's moe_router_logits ($OPENINFER_MOE_ROUTER_BLOCKS=0)",
+    "no_router_fused": "router logits and moe_route_sort as two launches ($OPENINFER_MOE_ROUTER_FUSED=0)",
+    "int4_row_blocks": "moe_gemv_int4_groups blocks taking several column blocks where a decode grid exceeds a wave "
+                       "($OPENINFER_INT4_ROW_BLOCKS=auto)",
+    "rms_scaled": "q_a_norm + q_b at one row as one launch, gemv_m1_rms_scaled ($OPENINFER_RMS_SCALED_GEMV=1)",
+    "oproj_prefetch": "batch 1: o_proj's last 32 MB pulled into L2 from a side stream during the MLA "
+                      "($OPENINFER_L2_WEIGHT_PREFETCH_MB=32; the layer bench only)",
+    "decode_pdl": "programmatic dependent launch of the one-row GEMVs, decode routers and lane-groups INT4 GEMV "
+                  "($OPENINFER_DECODE_PDL=1)",
+    "shared_after_route": "the shared expert's side stream forked after the routing ($OPENINFER_MOE_SHARED_AFTER_ROUTE=1)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1244,7 +1258,15 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "1"),
                 "no_shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "0"),
                 "gemv_silu": (cuda_moe.GEMV_SILU_ENV, "1"), "no_gemv_silu": (cuda_moe.GEMV_SILU_ENV, "0"),
-                "route_sort": (cuda_moe.ROUTE_SORT_ENV, "1"), "route_warps": (cuda_moe.ROUTE_WARPS_ENV, "1")}
+                "route_sort": (cuda_moe.ROUTE_SORT_ENV, "1"), "route_warps": (cuda_moe.ROUTE_WARPS_ENV, "1"),
+                "router_blocks": (cuda_moe.ROUTER_BLOCKS_ENV, "1"), "router_fused": (cuda_moe.ROUTER_FUSED_ENV, "1"),
+                "no_router_blocks": (cuda_moe.ROUTER_BLOCKS_ENV, "0"),
+                "no_router_fused": (cuda_moe.ROUTER_FUSED_ENV, "0"),
+                "int4_row_blocks": (cuda_moe.INT4_ROW_BLOCKS_ENV, "auto"),
+                "rms_scaled": ("OPENINFER_RMS_SCALED_GEMV", "1"),
+                "oproj_prefetch": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "32"),
+                "decode_pdl": ("OPENINFER_DECODE_PDL", "1"),
+                "shared_after_route": (cuda_moe.SHARED_AFTER_ROUTE_ENV, "1")}
     for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
         os.environ.pop(env, None)
     for option, (env, value) in switches.items():
@@ -1254,9 +1276,11 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
 
 def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, absorbed_kernel: str):
     """One decode step of the layer, as the plugin's CUDA plan runs it: returns (attention output
-    after o_proj, layer output)."""
+    after o_proj, layer output). (Option oproj_prefetch: o_proj's last rows pulled into L2 during the MLA
+    at batch 1, linear.start_weight_prefetch; not in the plugin yet.)"""
     import cupy
 
+    from openinfer.backend.cuda import linear as cuda_linear
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
 
@@ -1264,10 +1288,12 @@ def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x,
     qkv_a = backend.linear(x, attention["qkv_a"])
     q = backend.add_rms_norm_linear(cupy.ascontiguousarray(qkv_a[:, :c["q_lora"]]), None, attention["q_a_norm"],
                                     1e-6, attention["q_b"])[0]
+    prefetch = cuda_linear.start_weight_prefetch(attention["o_proj"]) if x.shape[0] <= 1 else None
     attn = cuda_mla.mla_forward(backend.blas, q, qkv_a[:, c["q_lora"]:], cache, attention["w_uk"], attention["w_uv"],
                                 attention["kv_a_norm"], spec, batch, cos, sin, 1e-6, backend.num_sms,
                                 absorbed_kernel=absorbed_kernel)
     h = backend.linear(attn, attention["o_proj"])
+    cuda_linear.join_weight_prefetch(prefetch)
     shared_experts = partial(shared_mlp, backend, shared)  # by moe_forward, beside the routed ones with shared_overlap
     return h, cuda_moe.moe_forward(backend, h, moe, shared_experts=shared_experts)
 

@@ -6,6 +6,7 @@
 // order whatever M is, so a row's result does not depend on the other rows of the batch. K must be
 // a multiple of 8.
 #include "common.cuh"
+#include "decode_pdl.cuh"  // DECODE_PDL: gemv_m1 / gemv_m1_rms_scaled
 
 #define WARPS_PER_BLOCK 8
 #ifndef GEMV_BATCHED_TAIL
@@ -30,7 +31,8 @@ __device__ __forceinline__ void words_to_floats8(const uint4& u, float* f) {
 }
 
 // Tile `tile` of the output: columns [tile * WARPS_PER_BLOCK * COLS, +WARPS_PER_BLOCK * COLS).
-template <int ROWS, int COLS, int UNROLL>
+// PDL (DECODE_PDL, gemv_m1): the first pass's weight loads issue before decode_pdl_wait (decode_pdl.cuh).
+template <int ROWS, int COLS, int UNROLL, bool PDL = false>
 __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                           const bf16* __restrict__ bias, bf16* __restrict__ y, int M,
                                           int N, int K, int tile) {
@@ -47,6 +49,35 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
         for (int c = 0; c < COLS; ++c) acc[r][c] = 0.f;
     constexpr int STEP = 32 * 8;
     int k = lane * 8;
+    if constexpr (PDL) {  // the first pass's weights (raw words: few registers) in flight, then the wait, then x
+        uint4 raw[UNROLL][COLS];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            if (k + u * STEP < K)
+#pragma unroll
+                for (int c = 0; c < COLS; ++c) raw[u][c] = *reinterpret_cast<const uint4*>(wrow[c] + k + u * STEP);
+        decode_pdl_wait();
+        decode_pdl_launch_dependents();  // after the wait: a dependent may read what the kernel before wrote
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (k + u * STEP >= K) break;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (r < M) {
+                    float xf[8];
+                    load8(x + (size_t)r * K + k + u * STEP, xf);
+#pragma unroll
+                    for (int c = 0; c < COLS; ++c) {
+                        float wf[8];
+                        words_to_floats8(raw[u][c], wf);
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) acc[r][c] += xf[i] * wf[i];
+                    }
+                }
+            }
+        }
+        k += UNROLL * STEP;  // each lane's k still in increasing order: the bits of the plain kernel
+    }
     for (; k + (UNROLL - 1) * STEP < K; k += UNROLL * STEP) {
         float wf[UNROLL][COLS][8];
 #pragma unroll
@@ -144,7 +175,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
         bf16 *__restrict__ y, int M, int N, int K
 
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m1(GEMV_ARGS) {
-    gemv_tile<1, 1, GEMV_M1_UNROLL>(x, w, bias, y, M, N, K, blockIdx.x);
+    gemv_tile<1, 1, GEMV_M1_UNROLL, DECODE_PDL != 0>(x, w, bias, y, M, N, K, blockIdx.x);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m2(GEMV_ARGS) {
@@ -157,6 +188,62 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m4(GEMV_
 
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m8(GEMV_ARGS) {
     gemv_tile<8, 4, 1>(x, w, bias, y, M, N, K, blockIdx.x);
+}
+
+// gemv_m1_rms_scaled: y = rms_norm(x) @ w^T (+ bias) for one row with no normalised row in between (Kimi-K2's
+// q_a_norm + q_b: the norm a launch of its own before gemv_m1, ~5 us at batch 1 for a 3 KB row). A warp's
+// lanes walk the whole x row (16-byte chunks 8·lane + 256·j), so each warp sums x² itself, beside its column's
+// Σ x·g·w (fp32); the column's sum is scaled by rsqrt(Σx²/K + eps) at the end. The weight row's loads issue
+// first, as gemv_m1's (passes of RMS_SCALED_UNROLL, the partial last pass all at once). Not the bits of rms_norm
+// then gemv_m1 (that rounds the normalised row to bf16 twice): fp32 throughout, within bf16 rounding.
+#ifndef RMS_SCALED_UNROLL
+#define RMS_SCALED_UNROLL 6  // a pass of 6 loads (Kimi-K2's q_b: K = 1536 in one): 48 registers, 5 blocks an SM as gemv_m1
+#endif
+extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32, 5)
+gemv_m1_rms_scaled(const bf16* __restrict__ x, const bf16* __restrict__ norm_weight, float eps,
+                   const bf16* __restrict__ w, const bf16* __restrict__ bias, bf16* __restrict__ y, int N, int K) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n = blockIdx.x * WARPS_PER_BLOCK + warp;
+    if (n >= N) return;
+    const bf16* wrow = w + (size_t)n * K;
+    constexpr int STEP = 32 * 8, UNROLL = RMS_SCALED_UNROLL;
+    float acc = 0.f, ss = 0.f;
+    bool waited = !DECODE_PDL;  // the weights' first pass in flight before the wait for x (decode_pdl.cuh)
+    for (int k0 = lane * 8; k0 < K; k0 += UNROLL * STEP) {
+        uint4 raw[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            if (k0 + u * STEP < K) raw[u] = *reinterpret_cast<const uint4*>(wrow + k0 + u * STEP);
+        if (!waited) {
+            decode_pdl_wait();
+            decode_pdl_launch_dependents();  // after the wait (see gemv_tile)
+            waited = true;
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int k = k0 + u * STEP;
+            if (k >= K) break;
+            float xf[8], gf[8], wf[8];
+            load8(x + k, xf);
+            load8(norm_weight + k, gf);
+            words_to_floats8(raw[u], wf);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                ss += xf[i] * xf[i];
+                acc += xf[i] * gf[i] * wf[i];
+            }
+        }
+    }
+    if (!waited) {
+        decode_pdl_wait();
+        decode_pdl_launch_dependents();
+    }
+    acc = warp_sum(acc);
+    ss = warp_sum(ss);
+    if (lane == 0) {
+        const float b = bias != nullptr ? __bfloat162float(bias[n]) : 0.f;
+        y[n] = __float2bfloat16_rn(acc * rsqrtf(ss / K + eps) + b);
+    }
 }
 
 // --- fused decode GEMVs (M = 1) ------------------------------------------------------------------

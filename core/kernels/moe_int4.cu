@@ -27,6 +27,7 @@
 // takes the matching activations by two byte permutes of one 16-byte load.
 // Needs N % 16 == 0, K % 128 == 0 (the layout's shapes; the caller checks) and 16-byte aligned rows.
 #include "mma.cuh"
+#include "decode_pdl.cuh"  // DECODE_PDL: launched after the previous kernel (it waits before any read)
 
 #ifndef GROUPS_DEPTH
 #define GROUPS_DEPTH 4  // chunks per lane in a ring of registers: one multiplied, the rest loading
@@ -57,6 +58,9 @@
 #ifndef GROUPS_KSPLIT
 #define GROUPS_KSPLIT 1  // warps of a block sharing one row block, each over a slice of K (shared-memory ring only)
 #endif
+#ifndef GROUPS_ROW_BLOCKS
+#define GROUPS_ROW_BLOCKS 1  // column blocks per block: blockIdx.x, + gridDim.x, ... (the host's grid x: ceil(blocks / this))
+#endif                       // so a short-K projection of many row blocks (Kimi-K2's down) runs as one wave
 #ifndef GROUPS_MIN_BLOCKS
 #define GROUPS_MIN_BLOCKS 4  // resident blocks per SM asked of ptxas (4: at most 128 registers, 16 warps per SM)
 #endif
@@ -266,210 +270,231 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                      const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                      const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
                      bf16* __restrict__ out, int N, int K) {
+    // DECODE_PDL (decode_pdl.cuh): 1: wait at once (the tile list may come from the previous kernel: gate_up after
+    // the routing); 2 (the host's tables_ready: the down projection after gate_up): the tile list and the weights
+    // are older, so the first chunks' weights load before the wait, the activations after it. The next kernel may
+    // launch once every CTA is past its wait (so what it reads of earlier kernels is complete too).
+#if DECODE_PDL != 2 || GROUPS_STAGES
+    decode_pdl_wait();
+    decode_pdl_launch_dependents();
+    bool waited = true;
+#else
+    bool waited = false;
+#endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    // split K: the block's warps in groups of GROUPS_KSPLIT share a row block, warp `slice` its slice of K
-    const int slice = warp % GROUPS_KSPLIT, column_warp = blockIdx.x * (GROUPS_WARPS / GROUPS_KSPLIT) + warp / GROUPS_KSPLIT;
+    // GROUPS_ROW_BLOCKS column blocks in turn (a block-uniform loop: the KSPLIT barriers stay matched)
+    for (int row_block = 0; row_block < GROUPS_ROW_BLOCKS; ++row_block) {
+        const int bx = blockIdx.x + row_block * gridDim.x;
+        // split K: the block's warps in groups of GROUPS_KSPLIT share a row block, warp `slice` its slice of K
+        const int slice = warp % GROUPS_KSPLIT, column_warp = bx * (GROUPS_WARPS / GROUPS_KSPLIT) + warp / GROUPS_KSPLIT;
 #if GROUPS_FUSE_SILU  // output columns n0 .. n0 + 7: gate rows n0 + g ("rows g"), up rows N / 2 + n0 + g ("g + 8")
-    const int out_columns = N / 2, warp_columns = 8;
+        const int out_columns = N / 2, warp_columns = 8;
 #else  // rows n0 .. n0 + 15 of one 16-row block
-    const int out_columns = N, warp_columns = 16;
+        const int out_columns = N, warp_columns = 16;
 #endif
+        if (bx * (GROUPS_WARPS / GROUPS_KSPLIT) * warp_columns >= out_columns) return;  // block-uniform: past N
 #if GROUPS_KSPLIT > 1  // a warp past the columns still meets the block's barriers (its rows clamped, its result dropped)
-    const bool past_columns = column_warp * warp_columns >= out_columns;
-    const int n0 = past_columns ? out_columns - warp_columns : column_warp * warp_columns;
+        const bool past_columns = column_warp * warp_columns >= out_columns;
+        const int n0 = past_columns ? out_columns - warp_columns : column_warp * warp_columns;
 #else
-    const int n0 = column_warp * warp_columns;
-    if (n0 >= out_columns) return;  // whole warps only: the mma is warp-collective
-    (void)slice;
+        const int n0 = column_warp * warp_columns;
+        if (n0 >= out_columns) return;  // whole warps only: the mma is warp-collective
+        (void)slice;
 #endif
 #if GROUPS_FUSE_SILU
-    const int row_lo = n0, row_hi = out_columns + n0;
+        const int row_lo = n0, row_hi = out_columns + n0;
 #else
-    const int row_lo = n0, row_hi = n0 + 8;
+        const int row_lo = n0, row_hi = n0 + 8;
 #endif
-    int expert, row_begin, row_end;
-    if (tile_expert) {  // grouped: tile blockIdx.y's expert and slots (moe.cu gemv_block_rows)
-        if ((int)blockIdx.y >= *num_tiles) return;
-        expert = tile_expert[blockIdx.y];
-        row_begin = tile_row[blockIdx.y];
-        row_end = min(row_begin + GROUPS_TILE_ROWS, offsets[expert + 1]);
-    } else {  // dense: expert 0, every row (one block row loops over them: the weight read once per pass)
-        expert = 0;
-        row_begin = 0;
-        row_end = dense_rows;
-    }
-    const int chunks = K / 128;
-    // the first chunk of the row block holding row n, and the offset of n's 8-row half in it (words; scales:
-    // this lane's pair, bf16 at ((row % 8) * 2 + half) * 4 + group)
-    const auto first_chunk = [&](int n) { return ((long long)expert * (N / 16) + n / 16) * chunks; };
-    const unsigned char* words = reinterpret_cast<const unsigned char*>(weight);
-    const unsigned char* scales = reinterpret_cast<const unsigned char*>(scale);
-    const int scale_pair = 4 * (4 * g + (t & 1));
-    const long long w_lo = first_chunk(row_lo) * 1024 + ((row_lo >> 3) & 1) * 512;
-    const long long s_lo = first_chunk(row_lo) * 128 + ((row_lo >> 3) & 1) * 8;
-    const GroupsRows rows_of_warp = {words + w_lo + 16 * lane, scales + s_lo + scale_pair
+        int expert, row_begin, row_end;
+        if (tile_expert) {  // grouped: tile blockIdx.y's expert and slots (moe.cu gemv_block_rows)
+            if ((int)blockIdx.y >= *num_tiles) return;
+            expert = tile_expert[blockIdx.y];
+            row_begin = tile_row[blockIdx.y];
+            row_end = min(row_begin + GROUPS_TILE_ROWS, offsets[expert + 1]);
+        } else {  // dense: expert 0, every row (one block row loops over them: the weight read once per pass)
+            expert = 0;
+            row_begin = 0;
+            row_end = dense_rows;
+        }
+        const int chunks = K / 128;
+        // the first chunk of the row block holding row n, and the offset of n's 8-row half in it (words; scales:
+        // this lane's pair, bf16 at ((row % 8) * 2 + half) * 4 + group)
+        const auto first_chunk = [&](int n) { return ((long long)expert * (N / 16) + n / 16) * chunks; };
+        const unsigned char* words = reinterpret_cast<const unsigned char*>(weight);
+        const unsigned char* scales = reinterpret_cast<const unsigned char*>(scale);
+        const int scale_pair = 4 * (4 * g + (t & 1));
+        const long long w_lo = first_chunk(row_lo) * 1024 + ((row_lo >> 3) & 1) * 512;
+        const long long s_lo = first_chunk(row_lo) * 128 + ((row_lo >> 3) & 1) * 8;
+        const GroupsRows rows_of_warp = {words + w_lo + 16 * lane, scales + s_lo + scale_pair
 #if GROUPS_FUSE_SILU
-                                     , (unsigned)(first_chunk(row_hi) * 1024 + ((row_hi >> 3) & 1) * 512 - w_lo),
-                                     (unsigned)(first_chunk(row_hi) * 128 + ((row_hi >> 3) & 1) * 8 - s_lo)
+                                         , (unsigned)(first_chunk(row_hi) * 1024 + ((row_hi >> 3) & 1) * 512 - w_lo),
+                                         (unsigned)(first_chunk(row_hi) * 128 + ((row_hi >> 3) & 1) * 8 - s_lo)
 #endif
-    };
-    (void)row_hi;
-    // the warp walks its chunks from `start` on, wrapping (warps in lockstep would otherwise read addresses
-    // a row block's stride apart)
-    // (by the row block within its half of N where N is whole 32-row pairs: a gate row block and its up row
-    // block start alike, so the fused SiLU·mul form sums each row in the order the plain form does)
-    const int half_block = (N % 32 == 0 ? row_lo % (N / 2) : row_lo) / 16;
-    // this warp's chunks: [c_begin, c_end) (its slice of K; whole K without the split), walked from `start`
+        };
+        (void)row_hi;
+        // the warp walks its chunks from `start` on, wrapping (warps in lockstep would otherwise read addresses
+        // a row block's stride apart)
+        // (by the row block within its half of N where N is whole 32-row pairs: a gate row block and its up row
+        // block start alike, so the fused SiLU·mul form sums each row in the order the plain form does)
+        const int half_block = (N % 32 == 0 ? row_lo % (N / 2) : row_lo) / 16;
+        // this warp's chunks: [c_begin, c_end) (its slice of K; whole K without the split), walked from `start`
 #if GROUPS_KSPLIT > 1
-    const int slice_chunks = (chunks + GROUPS_KSPLIT - 1) / GROUPS_KSPLIT;
-    const int c_begin = min(chunks, slice * slice_chunks), c_end = min(chunks, c_begin + slice_chunks);
+        const int slice_chunks = (chunks + GROUPS_KSPLIT - 1) / GROUPS_KSPLIT;
+        const int c_begin = min(chunks, slice * slice_chunks), c_end = min(chunks, c_begin + slice_chunks);
 #else
-    const int c_begin = 0, c_end = chunks;
+        const int c_begin = 0, c_end = chunks;
 #endif
-    const int count = c_end - c_begin;
-    const int start = c_begin + (GROUPS_ROTATE && count ? (int)(half_block * 37LL % count) : 0);
-    const auto next_chunk = [&](int c) { return c + 1 == c_end ? c_begin : c + 1; };
-    // the -136 operand and the bf16 magic, opaque to the compiler (which would otherwise rebuild the
-    // constants before each use)
-    unsigned neg136[4], magic = 0x43004300u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) neg136[i] = GROUPS_NEG136;
+        const int count = c_end - c_begin;
+        const int start = c_begin + (GROUPS_ROTATE && count ? (int)(half_block * 37LL % count) : 0);
+        const auto next_chunk = [&](int c) { return c + 1 == c_end ? c_begin : c + 1; };
+        // the -136 operand and the bf16 magic, opaque to the compiler (which would otherwise rebuild the
+        // constants before each use)
+        unsigned neg136[4], magic = 0x43004300u;
+    #pragma unroll
+        for (int i = 0; i < 4; ++i) neg136[i] = GROUPS_NEG136;
 #ifndef MMA_HOST_STANDIN
-    asm volatile("mov.b32 %0, %4; mov.b32 %1, %4; mov.b32 %2, %4; mov.b32 %3, %4;"
-                 : "=r"(neg136[0]), "=r"(neg136[1]), "=r"(neg136[2]), "=r"(neg136[3]) : "n"(GROUPS_NEG136));
-    asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(0x43004300));
+        asm volatile("mov.b32 %0, %4; mov.b32 %1, %4; mov.b32 %2, %4; mov.b32 %3, %4;"
+                     : "=r"(neg136[0]), "=r"(neg136[1]), "=r"(neg136[2]), "=r"(neg136[3]) : "n"(GROUPS_NEG136));
+        asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(0x43004300));
 #endif
-    // this lane's B column: token 2p of the pass (g == t) or token 2p + 1 (g == t + 4); else zeros
-    const int token_of_lane = g == t ? 0 : g == t + 4 ? 1 : -1;
-    for (int pass = row_begin; pass < row_end; pass += 2 * GROUPS_PAIRS) {
-        const int rows = min(2 * GROUPS_PAIRS, row_end - pass);  // warp-uniform
-        const unsigned char* x_at[GROUPS_PAIRS];
-        unsigned x_stride[GROUPS_PAIRS];
-#pragma unroll
-        for (int p = 0; p < GROUPS_PAIRS; ++p) {
-            const int r = 2 * p + token_of_lane;
-            if (token_of_lane >= 0 && r < rows) {  // group t of each 128-k chunk (256 bytes) of the token row
-                const int slot = pass + r;
-                x_at[p] = reinterpret_cast<const unsigned char*>(
-                    a + (long long)(sorted_slots ? sorted_slots[slot] / top_k : slot) * K + 32 * t);
-                x_stride[p] = 256;
-            } else {
-                x_at[p] = reinterpret_cast<const unsigned char*>(groups_zero_activations);
-                x_stride[p] = 0;
+        // this lane's B column: token 2p of the pass (g == t) or token 2p + 1 (g == t + 4); else zeros
+        const int token_of_lane = g == t ? 0 : g == t + 4 ? 1 : -1;
+        for (int pass = row_begin; pass < row_end; pass += 2 * GROUPS_PAIRS) {
+            const int rows = min(2 * GROUPS_PAIRS, row_end - pass);  // warp-uniform
+            const unsigned char* x_at[GROUPS_PAIRS];
+            unsigned x_stride[GROUPS_PAIRS];
+    #pragma unroll
+            for (int p = 0; p < GROUPS_PAIRS; ++p) {
+                const int r = 2 * p + token_of_lane;
+                if (token_of_lane >= 0 && r < rows) {  // group t of each 128-k chunk (256 bytes) of the token row
+                    const int slot = pass + r;
+                    x_at[p] = reinterpret_cast<const unsigned char*>(
+                        a + (long long)(sorted_slots ? sorted_slots[slot] / top_k : slot) * K + 32 * t);
+                    x_stride[p] = 256;
+                } else {
+                    x_at[p] = reinterpret_cast<const unsigned char*>(groups_zero_activations);
+                    x_stride[p] = 0;
+                }
             }
-        }
-        float acc[GROUPS_PAIRS][4];
-#pragma unroll
-        for (int p = 0; p < GROUPS_PAIRS; ++p)
-#pragma unroll
-            for (int v = 0; v < 4; ++v) acc[p][v] = 0.f;
+            float acc[GROUPS_PAIRS][4];
+    #pragma unroll
+            for (int p = 0; p < GROUPS_PAIRS; ++p)
+    #pragma unroll
+                for (int v = 0; v < 4; ++v) acc[p][v] = 0.f;
 #if GROUPS_STAGES
-        __shared__ __align__(16) unsigned char groups_ring[GROUPS_WARPS][GROUPS_STAGES][GROUPS_STAGE_BYTES];
-        unsigned char(*ring)[GROUPS_STAGE_BYTES] = groups_ring[warp];
-        int load_chunk = start;  // the next chunk the ring loads
-#pragma unroll
-        for (int d = 0; d + 1 < GROUPS_STAGES; ++d) {  // every turn commits a group, empty or not
-            if (d < count) {
-                groups_issue(rows_of_warp, load_chunk, ring[d], lane);
-                load_chunk = next_chunk(load_chunk);
-            }
-            groups_commit();
-        }
-        int x_chunk = start;  // the chunk whose activations load next
-        int stage_read = 0, stage_fill = GROUPS_STAGES - 1;
-        for (int c = 0; c < count; ++c) {
-            if (c + GROUPS_STAGES - 1 < count) {  // into the stage read last turn
-                groups_issue(rows_of_warp, load_chunk, ring[stage_fill], lane);
-                load_chunk = next_chunk(load_chunk);
-            }
-            groups_commit();
-            uint4 xv[GROUPS_PAIRS][4];  // L1-resident: in before the chunk's bytes are
-            groups_x_load(xv, x_at, x_stride, x_chunk);
-            x_chunk = next_chunk(x_chunk);
-            groups_wait<GROUPS_STAGES - 1>();  // chunk c landed (this lane's copies)
-            groups_chunk(acc, groups_read(ring[stage_read], lane), xv, neg136, magic);
-            stage_read = stage_read + 1 == GROUPS_STAGES ? 0 : stage_read + 1;
-            stage_fill = stage_fill + 1 == GROUPS_STAGES ? 0 : stage_fill + 1;
-        }
-#else
-        GroupsChunk ring[GROUPS_DEPTH];
-        int load_chunk = start;  // the next chunk the ring loads
-#pragma unroll
-        for (int d = 0; d + 1 < GROUPS_DEPTH; ++d)
-            if (d < count) {
-                ring[d] = groups_load(rows_of_warp, load_chunk);
-                load_chunk = next_chunk(load_chunk);
-            }
-        // the activations of the c-th chunk walked in xv[c % 2] (GROUPS_DEPTH even: a static index in the ring)
-        uint4 xv[2][GROUPS_PAIRS][4];
-        groups_x_load(xv[0], x_at, x_stride, start);
-        int x_chunk = next_chunk(start);  // the chunk whose activations load next
-        int c0 = 0;
-        for (; c0 + 2 * GROUPS_DEPTH - 1 <= count; c0 += GROUPS_DEPTH) {  // every load of the turn in range
-#pragma unroll
-            for (int d = 0; d < GROUPS_DEPTH; ++d) {
-                ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(rows_of_warp, load_chunk);  // the slot used last
-                load_chunk = next_chunk(load_chunk);
-                groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
-                x_chunk = next_chunk(x_chunk);
-                groups_chunk(acc, ring[d], xv[d % 2], neg136, magic);
-            }
-        }
-        for (; c0 < count; c0 += GROUPS_DEPTH) {  // the last turns (warp-uniform branches)
-#pragma unroll
-            for (int d = 0; d < GROUPS_DEPTH; ++d) {
-                const int c = c0 + d;
-                if (c + GROUPS_DEPTH - 1 < count) {
-                    ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(rows_of_warp, load_chunk);
+            __shared__ __align__(16) unsigned char groups_ring[GROUPS_WARPS][GROUPS_STAGES][GROUPS_STAGE_BYTES];
+            unsigned char(*ring)[GROUPS_STAGE_BYTES] = groups_ring[warp];
+            int load_chunk = start;  // the next chunk the ring loads
+    #pragma unroll
+            for (int d = 0; d + 1 < GROUPS_STAGES; ++d) {  // every turn commits a group, empty or not
+                if (d < count) {
+                    groups_issue(rows_of_warp, load_chunk, ring[d], lane);
                     load_chunk = next_chunk(load_chunk);
                 }
-                if (c < count) {
-                    if (c + 1 < count) {
-                        groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
-                        x_chunk = next_chunk(x_chunk);
-                    }
+                groups_commit();
+            }
+            int x_chunk = start;  // the chunk whose activations load next
+            int stage_read = 0, stage_fill = GROUPS_STAGES - 1;
+            for (int c = 0; c < count; ++c) {
+                if (c + GROUPS_STAGES - 1 < count) {  // into the stage read last turn
+                    groups_issue(rows_of_warp, load_chunk, ring[stage_fill], lane);
+                    load_chunk = next_chunk(load_chunk);
+                }
+                groups_commit();
+                uint4 xv[GROUPS_PAIRS][4];  // L1-resident: in before the chunk's bytes are
+                groups_x_load(xv, x_at, x_stride, x_chunk);
+                x_chunk = next_chunk(x_chunk);
+                groups_wait<GROUPS_STAGES - 1>();  // chunk c landed (this lane's copies)
+                groups_chunk(acc, groups_read(ring[stage_read], lane), xv, neg136, magic);
+                stage_read = stage_read + 1 == GROUPS_STAGES ? 0 : stage_read + 1;
+                stage_fill = stage_fill + 1 == GROUPS_STAGES ? 0 : stage_fill + 1;
+            }
+#else
+            GroupsChunk ring[GROUPS_DEPTH];
+            int load_chunk = start;  // the next chunk the ring loads
+    #pragma unroll
+            for (int d = 0; d + 1 < GROUPS_DEPTH; ++d)
+                if (d < count) {
+                    ring[d] = groups_load(rows_of_warp, load_chunk);
+                    load_chunk = next_chunk(load_chunk);
+                }
+            if (!waited) {  // DECODE_PDL 2: the ring's first chunks are in flight
+                decode_pdl_wait();
+                decode_pdl_launch_dependents();
+                waited = true;
+            }
+            // the activations of the c-th chunk walked in xv[c % 2] (GROUPS_DEPTH even: a static index in the ring)
+            uint4 xv[2][GROUPS_PAIRS][4];
+            groups_x_load(xv[0], x_at, x_stride, start);
+            int x_chunk = next_chunk(start);  // the chunk whose activations load next
+            int c0 = 0;
+            for (; c0 + 2 * GROUPS_DEPTH - 1 <= count; c0 += GROUPS_DEPTH) {  // every load of the turn in range
+    #pragma unroll
+                for (int d = 0; d < GROUPS_DEPTH; ++d) {
+                    ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(rows_of_warp, load_chunk);  // the slot used last
+                    load_chunk = next_chunk(load_chunk);
+                    groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
+                    x_chunk = next_chunk(x_chunk);
                     groups_chunk(acc, ring[d], xv[d % 2], neg136, magic);
                 }
             }
-        }
+            for (; c0 < count; c0 += GROUPS_DEPTH) {  // the last turns (warp-uniform branches)
+    #pragma unroll
+                for (int d = 0; d < GROUPS_DEPTH; ++d) {
+                    const int c = c0 + d;
+                    if (c + GROUPS_DEPTH - 1 < count) {
+                        ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(rows_of_warp, load_chunk);
+                        load_chunk = next_chunk(load_chunk);
+                    }
+                    if (c < count) {
+                        if (c + 1 < count) {
+                            groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
+                            x_chunk = next_chunk(x_chunk);
+                        }
+                        groups_chunk(acc, ring[d], xv[d % 2], neg136, magic);
+                    }
+                }
+            }
 #endif
 #if GROUPS_KSPLIT > 1  // the slices' sums meet in shared memory; slice 0 adds them in slice order
-        __shared__ float groups_partial[GROUPS_WARPS][GROUPS_PAIRS][4][32];
-        if (slice) {
-#pragma unroll
-            for (int p = 0; p < GROUPS_PAIRS; ++p)
-#pragma unroll
-                for (int v = 0; v < 4; ++v) groups_partial[warp][p][v][lane] = acc[p][v];
-        }
-        __syncthreads();
-        if (slice == 0) {
-#pragma unroll
-            for (int other = 1; other < GROUPS_KSPLIT; ++other)
-#pragma unroll
+            __shared__ float groups_partial[GROUPS_WARPS][GROUPS_PAIRS][4][32];
+            if (slice) {
+    #pragma unroll
                 for (int p = 0; p < GROUPS_PAIRS; ++p)
-#pragma unroll
-                    for (int v = 0; v < 4; ++v) acc[p][v] += groups_partial[warp + other][p][v][lane];
-        }
-        __syncthreads();  // read before the next pass writes
-        if (slice || past_columns) continue;
+    #pragma unroll
+                    for (int v = 0; v < 4; ++v) groups_partial[warp][p][v][lane] = acc[p][v];
+            }
+            __syncthreads();
+            if (slice == 0) {
+    #pragma unroll
+                for (int other = 1; other < GROUPS_KSPLIT; ++other)
+    #pragma unroll
+                    for (int p = 0; p < GROUPS_PAIRS; ++p)
+    #pragma unroll
+                        for (int v = 0; v < 4; ++v) acc[p][v] += groups_partial[warp + other][p][v][lane];
+            }
+            __syncthreads();  // read before the next pass writes
+            if (slice || past_columns) continue;
 #endif
-        // lane (g, t): rows g (acc 0, 1: groups 2t', 2t'+1) and g + 8 (acc 2, 3) of token 2p + (t >= 2);
-        // the two lanes t', t' ^ 1 of a token hold its four group parities
-#pragma unroll
-        for (int p = 0; p < GROUPS_PAIRS; ++p) {
-            float row_g = acc[p][0] + acc[p][1], row_g8 = acc[p][2] + acc[p][3];
-            row_g += __shfl_xor_sync(0xFFFFFFFFu, row_g, 1);
-            row_g8 += __shfl_xor_sync(0xFFFFFFFFu, row_g8, 1);
-            const int r = 2 * p + (t >> 1);
-            if ((t & 1) == 0 && r < rows) {
-                bf16* o = out + (long long)(pass + r) * out_columns + n0 + g;
+            // lane (g, t): rows g (acc 0, 1: groups 2t', 2t'+1) and g + 8 (acc 2, 3) of token 2p + (t >= 2);
+            // the two lanes t', t' ^ 1 of a token hold its four group parities
+    #pragma unroll
+            for (int p = 0; p < GROUPS_PAIRS; ++p) {
+                float row_g = acc[p][0] + acc[p][1], row_g8 = acc[p][2] + acc[p][3];
+                row_g += __shfl_xor_sync(0xFFFFFFFFu, row_g, 1);
+                row_g8 += __shfl_xor_sync(0xFFFFFFFFu, row_g8, 1);
+                const int r = 2 * p + (t >> 1);
+                if ((t & 1) == 0 && r < rows) {
+                    bf16* o = out + (long long)(pass + r) * out_columns + n0 + g;
 #if GROUPS_FUSE_SILU  // elementwise.cu's silu_mul on the bf16-rounded gate and up: the unfused pair's bits
-                const float gate = round_bf16(row_g), up = round_bf16(row_g8);
-                o[0] = __float2bfloat16_rn(round_bf16(gate / (1.f + __expf(-gate))) * up);
+                    const float gate = round_bf16(row_g), up = round_bf16(row_g8);
+                    o[0] = __float2bfloat16_rn(round_bf16(gate / (1.f + __expf(-gate))) * up);
 #else
-                o[0] = __float2bfloat16_rn(row_g);
-                o[8] = __float2bfloat16_rn(row_g8);
+                    o[0] = __float2bfloat16_rn(row_g);
+                    o[8] = __float2bfloat16_rn(row_g8);
 #endif
+                }
             }
         }
     }

@@ -13,6 +13,8 @@
 // Needs hidden % 8 == 0 and 16-byte aligned rows for the router (the caller checks).
 #include "mma.cuh"
 #include "moe_route.cuh"  // route_score
+#include "rms_norm.cuh"   // normalize_row
+#include "decode_pdl.cuh"  // DECODE_PDL: the decode routers
 
 #ifndef ROUTER_STAGES
 #define ROUTER_STAGES 4
@@ -196,7 +198,6 @@ moe_place_slots(const int* __restrict__ ids, int num_slots, int num_experts, con
     }
 }
 
-#ifndef MMA_HOST_STANDIN  // warp intrinsics beyond the host emulation's: GPU only
 // ---------------------------------------------------------------------------------------------
 // moe_route_warps: moe_route's scores and top-k for prefill-sized steps without expert groups
 // (n_group 1: Moonlight, Kimi-K2), a warp per token over router_logits' output (moe_route: a block
@@ -266,7 +267,7 @@ __device__ __forceinline__ void warp_route_token(const float* __restrict__ row, 
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             const float other_best = __shfl_xor_sync(0xffffffffu, best, o);
-            const int other_arg = __shfl_xor_sync(0xffffffffu, arg, o);
+            const int other_arg = __shfl_sync(0xffffffffu, arg, lane ^ o);  // the xor lane's (host emulation: int shfl)
             if (other_arg >= 0 && (arg < 0 || other_best > best || (other_best == best && other_arg < arg))) {
                 best = other_best;
                 arg = other_arg;
@@ -276,7 +277,7 @@ __device__ __forceinline__ void warp_route_token(const float* __restrict__ row, 
 #pragma unroll
         for (int i = 0; i < ROUTE_PER_LANE; ++i)
             if ((arg >> 5) == i) picked = score[i];
-        picked = __shfl_sync(0xffffffffu, picked, arg & 31);
+        picked = __int_as_float(__shfl_sync(0xffffffffu, __float_as_int(picked), arg & 31));
         if ((arg & 31) == lane) taken |= 1u << (arg >> 5);
         total += picked;  // in pick order, as moe_route's thread 0
         if (lane == j) {
@@ -326,7 +327,6 @@ moe_add_rms_norm_route(const bf16* __restrict__ x, const bf16* __restrict__ resi
                        float eps, const bf16* __restrict__ gate, const float* __restrict__ bias /* [E] or null */,
                        int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
                        float* __restrict__ weights) {
-    __shared__ float scratch[32];
     __shared__ float logits[GROUP_MAX_EXPERTS];
     const size_t t = blockIdx.x;
     const bf16* xr = x + t * features;
@@ -336,17 +336,7 @@ moe_add_rms_norm_route(const bf16* __restrict__ x, const bf16* __restrict__ resi
     for (int c = threadIdx.x; c < features; c += blockDim.x)
         ro[c] = __float2bfloat16_rn(__bfloat162float(xr[c]) + __bfloat162float(rr[c]));
     __syncthreads();
-    float ss = 0.f;
-    for (int c = threadIdx.x; c < features; c += blockDim.x) {
-        const float v = __bfloat162float(ro[c]);
-        ss += v * v;
-    }
-    ss = block_sum(ss, scratch);
-    const float inv = rsqrtf(ss / features + eps);
-    for (int c = threadIdx.x; c < features; c += blockDim.x) {
-        const float v = round_bf16(__bfloat162float(ro[c]) * inv);
-        o[c] = __float2bfloat16_rn(v * __bfloat162float(norm_weight[c]));
-    }
+    normalize_row(ro, norm_weight, o, features, eps);  // rms_norm.cu add_rms_norm's bits
     __syncthreads();  // the normed row is whole (this block's global writes, seen by its threads after the barrier)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     for (int e = warp; e < num_experts; e += warps) {
@@ -387,20 +377,21 @@ moe_add_rms_norm_route(const bf16* __restrict__ x, const bf16* __restrict__ resi
 // ---------------------------------------------------------------------------------------------
 #define ROUTE_SORT_WARPS 16
 #define ROUTE_SORT_MAX_SLOTS 2048
-extern "C" __global__ void __launch_bounds__(ROUTE_SORT_WARPS * 32)
-moe_route_sort(const float* __restrict__ logits, const float* __restrict__ bias /* [E] or null */, int num_tokens,
-               int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
-               float* __restrict__ weights, int* __restrict__ offsets /* [E'+1] */, int* __restrict__ sorted_slots,
-               int* __restrict__ slot_pos, int* __restrict__ tile_expert, int* __restrict__ tile_row,
-               int* __restrict__ num_tiles, int max_tiles) {
-    __shared__ int slot_expert[ROUTE_SORT_MAX_SLOTS];
-    __shared__ int count[GROUP_MAX_EXPERTS];  // slots per expert, then each expert's next free row
-    __shared__ int scratch[32];
+// moe_route_sort's body for the calling block (ROUTE_SORT_WARPS warps, at least E' threads): `logits` the
+// step's [T, E] rows (global or shared memory), `slot_expert` room for T·(k+S) ints, `count` GROUP_MAX_EXPERTS
+// ints, `scratch` 32 ints (the caller's shared memory).
+__device__ __forceinline__ void route_sort_block(const float* logits, const float* __restrict__ bias, int num_tokens,
+                                                 int num_experts, int top_k, int scoring, int norm_topk,
+                                                 float scaling, int* __restrict__ ids, float* __restrict__ weights,
+                                                 int* __restrict__ offsets, int* __restrict__ sorted_slots,
+                                                 int* __restrict__ slot_pos, int* __restrict__ tile_expert,
+                                                 int* __restrict__ tile_row, int* __restrict__ num_tiles,
+                                                 int max_tiles, int* slot_expert, int* count, int* scratch) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int row_width = top_k + ROUTE_SHARED_EXPERTS, grouped = num_experts + ROUTE_SHARED_EXPERTS;
     const int num_slots = num_tokens * row_width;
     for (int e = tid; e < grouped; e += blockDim.x) count[e] = 0;
-    for (int t = warp; t < num_tokens; t += ROUTE_SORT_WARPS) {  // warp-uniform
+    for (int t = warp; t < num_tokens; t += blockDim.x >> 5) {  // warp-uniform
         int id;
         float weight;
         warp_route_token(logits + (long long)t * num_experts, bias, num_experts, top_k, scoring, norm_topk, scaling,
@@ -441,6 +432,136 @@ moe_route_sort(const float* __restrict__ logits, const float* __restrict__ bias 
     }
 }
 
+extern "C" __global__ void __launch_bounds__(ROUTE_SORT_WARPS * 32)
+moe_route_sort(const float* __restrict__ logits, const float* __restrict__ bias /* [E] or null */, int num_tokens,
+               int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
+               float* __restrict__ weights, int* __restrict__ offsets /* [E'+1] */, int* __restrict__ sorted_slots,
+               int* __restrict__ slot_pos, int* __restrict__ tile_expert, int* __restrict__ tile_row,
+               int* __restrict__ num_tiles, int max_tiles) {
+    __shared__ int slot_expert[ROUTE_SORT_MAX_SLOTS];
+    __shared__ int count[GROUP_MAX_EXPERTS];  // slots per expert, then each expert's next free row
+    __shared__ int scratch[32];
+    decode_pdl_wait();  // everything it reads came from the previous kernel
+    decode_pdl_launch_dependents();
+    route_sort_block(logits, bias, num_tokens, num_experts, top_k, scoring, norm_topk, scaling, ids, weights, offsets,
+                     sorted_slots, slot_pos, tile_expert, tile_row, num_tiles, max_tiles, slot_expert, count, scratch);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode-sized router logits (at most ROUTER_BLOCKS_MAX_TOKENS tokens) with a block per expert:
+// moe_router_logits_blocks writes logits [T, E] (moe.cu's moe_router_logits has a warp per token and expert
+// walk the whole row, 28 serial 16-byte steps at Kimi-K2's hidden of 7168, and runs 48 blocks at one token);
+// block e's threads split the hidden row (thread i the 16-byte chunks i, i + blockDim, ...), each warp's fp32
+// sums added in warp order, so every SM streams router rows at once. The sum order differs from
+// moe_router_logits' (fp32 rounding only).
+// moe_router_route_sort: the same logits, then the last block to finish (a ticket from `done`) reads them and
+// runs moe_route_sort's body (route_sort_block): moe_route_sort's ids / weights / layout on these logits, in
+// one launch where two run apart. `done`: one uint, zero at launch (the caller's memset; the last block puts
+// it back to zero too). hidden % 8 == 0, 16-byte aligned rows, blockDim.x a multiple of 32 up to 1024
+// (ROUTE_SORT_WARPS * 32 for the fused one) (the caller checks).
+// ---------------------------------------------------------------------------------------------
+#define ROUTER_BLOCKS_MAX_TOKENS 4
+#define ROUTER_PREFETCH 2  // 16-byte chunks a thread loads before waiting (the host gives it ~2 of the row)
+#define ROUTER_FUSED_MAX_SLOTS (ROUTER_BLOCKS_MAX_TOKENS * 32)
+// Expert blockIdx.x's logits of every token into logits[t, e]; `partial` [32][ROUTER_BLOCKS_MAX_TOKENS] floats
+// of shared memory. Ends with the block's writes issued (no barrier after).
+__device__ __forceinline__ void router_expert_logits(const bf16* __restrict__ x, const bf16* __restrict__ gate,
+                                                     int num_tokens, int hidden, int num_experts, float* logits,
+                                                     float (*partial)[ROUTER_BLOCKS_MAX_TOKENS]) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, e = blockIdx.x;
+    const bf16* w = gate + (long long)e * hidden;
+    float acc[ROUTER_BLOCKS_MAX_TOKENS];
+#pragma unroll
+    for (int t = 0; t < ROUTER_BLOCKS_MAX_TOKENS; ++t) acc[t] = 0.f;
+    // the thread's first ROUTER_PREFETCH chunks of the router row in flight before the wait for x (DECODE_PDL)
+    uint4 first[ROUTER_PREFETCH];
+#pragma unroll
+    for (int j = 0; j < ROUTER_PREFETCH; ++j)
+        if (tid * 8 + j * (int)blockDim.x * 8 < hidden)
+            first[j] = *reinterpret_cast<const uint4*>(w + tid * 8 + j * blockDim.x * 8);
+    decode_pdl_wait();
+    decode_pdl_launch_dependents();  // after the wait: a dependent may read what the kernel before wrote
+    int chunk = 0;
+#pragma unroll 2
+    for (int i = tid * 8; i < hidden; i += blockDim.x * 8, ++chunk) {
+        float b[8];
+        if (chunk < ROUTER_PREFETCH) {
+            uint4 u = first[0];
+#pragma unroll
+            for (int j = 1; j < ROUTER_PREFETCH; ++j)
+                if (chunk == j) u = first[j];
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float2 f = __bfloat1622float2(h[j]);
+                b[2 * j] = f.x;
+                b[2 * j + 1] = f.y;
+            }
+        } else {
+            load8(w + i, b);
+        }
+#pragma unroll
+        for (int t = 0; t < ROUTER_BLOCKS_MAX_TOKENS; ++t) {
+            if (t < num_tokens) {
+                float a[8];
+                load8(x + (long long)t * hidden + i, a);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[t] += a[j] * b[j];
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < ROUTER_BLOCKS_MAX_TOKENS; ++t) {
+        const float v = warp_sum(acc[t]);
+        if (lane == 0) partial[warp][t] = v;
+    }
+    __syncthreads();
+    if (tid < num_tokens) {
+        float sum = 0.f;
+        for (int v = 0; v < (int)(blockDim.x >> 5); ++v) sum += partial[v][tid];
+        logits[(long long)tid * num_experts + e] = sum;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+moe_router_logits_blocks(const bf16* __restrict__ x, const bf16* __restrict__ gate, int num_tokens, int hidden,
+                         int num_experts, float* __restrict__ logits) {
+    __shared__ float partial[32][ROUTER_BLOCKS_MAX_TOKENS];
+    router_expert_logits(x, gate, num_tokens, hidden, num_experts, logits, partial);
+}
+
+// 3 blocks of 512 threads per SM (40 registers): Kimi-K2's 384 experts resident at once on 132 SMs; only the last block's
+// routing spills.
+extern "C" __global__ void __launch_bounds__(ROUTE_SORT_WARPS * 32, 3)
+moe_router_route_sort(const bf16* __restrict__ x, const bf16* __restrict__ gate, int num_tokens, int hidden,
+                      float* logits, unsigned* done, const float* __restrict__ bias /* [E] or null */,
+                      int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
+                      float* __restrict__ weights, int* __restrict__ offsets /* [E'+1] */,
+                      int* __restrict__ sorted_slots, int* __restrict__ slot_pos, int* __restrict__ tile_expert,
+                      int* __restrict__ tile_row, int* __restrict__ num_tiles, int max_tiles) {
+    __shared__ float partial[32][ROUTER_BLOCKS_MAX_TOKENS];
+    __shared__ float rows[ROUTER_BLOCKS_MAX_TOKENS * GROUP_MAX_EXPERTS];
+    __shared__ int slot_expert[ROUTER_FUSED_MAX_SLOTS];
+    __shared__ int count[GROUP_MAX_EXPERTS];
+    __shared__ int scratch[32];
+    __shared__ int last;
+    router_expert_logits(x, gate, num_tokens, hidden, num_experts, logits, partial);
+    // the last block to get here routes the step: the others' logits are visible to it after their fences
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) *done = 0u;
+    const volatile float* fresh = logits;  // written by other blocks: read past this SM's L1
+    for (int i = threadIdx.x; i < num_tokens * num_experts; i += blockDim.x) rows[i] = fresh[i];
+    __syncthreads();
+    route_sort_block(rows, bias, num_tokens, num_experts, top_k, scoring, norm_topk, scaling, ids, weights, offsets,
+                     sorted_slots, slot_pos, tile_expert, tile_row, num_tiles, max_tiles, slot_expert, count, scratch);
+}
+
+#ifndef MMA_HOST_STANDIN  // warp intrinsics beyond the host emulation's (__match_any_sync): GPU only
 // ---------------------------------------------------------------------------------------------
 // Grouping for prefill-sized steps in three small launches, deterministic and stable (each expert's
 // slots in slot order), where moe_expert_counts + moe_place_slots have every one of E blocks read

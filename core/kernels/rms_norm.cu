@@ -1,22 +1,6 @@
 // RMSNorm over the last dim, one block per row, fp32 statistics. Matches a bf16 PyTorch
 // RMSNorm: normalize in fp32, round to bf16, multiply by the bf16 weight, round again.
-#include "common.cuh"
-
-__device__ __forceinline__ void normalize_row(const bf16* __restrict__ x, const bf16* __restrict__ weight,
-                                              bf16* __restrict__ out, int features, float eps) {
-    __shared__ float scratch[32];
-    float ss = 0.f;
-    for (int c = threadIdx.x; c < features; c += blockDim.x) {
-        const float v = __bfloat162float(x[c]);
-        ss += v * v;
-    }
-    ss = block_sum(ss, scratch);
-    const float inv = rsqrtf(ss / features + eps);
-    for (int c = threadIdx.x; c < features; c += blockDim.x) {
-        const float v = round_bf16(__bfloat162float(x[c]) * inv);
-        out[c] = __float2bfloat16_rn(v * __bfloat162float(weight[c]));
-    }
-}
+#include "rms_norm.cuh"  // normalize_row
 
 extern "C" __global__ void rms_norm(const bf16* __restrict__ x, const bf16* __restrict__ weight,
                                     bf16* __restrict__ out, int features, float eps) {

@@ -30,7 +30,12 @@ CASES = {"d4": {"GROUPS_DEPTH": 4}, "d2": {"GROUPS_DEPTH": 2}, "p2": {"GROUPS_DE
          "s2_k2": {"GROUPS_STAGES": 2, "GROUPS_KSPLIT": 2}, "s8_k4": {"GROUPS_STAGES": 8, "GROUPS_KSPLIT": 4},
          "s2_k2_silu": {"GROUPS_STAGES": 2, "GROUPS_KSPLIT": 2, "GROUPS_FUSE_SILU": 1},
          "s8_p4": {"GROUPS_STAGES": 8, "GROUPS_PAIRS": 4},
-         "norot": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0}}
+         "norot": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0},
+         # several column blocks per block (GROUPS_ROW_BLOCKS; N = 192: three blocks of 64 columns over a grid of
+         # 2, six of 32 over a grid of 2 with K split)
+         "rb2": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0, "GROUPS_ROW_BLOCKS": 2},
+         "s2_k2_rb3": {"GROUPS_STAGES": 2, "GROUPS_KSPLIT": 2, "GROUPS_ROW_BLOCKS": 3}}
+CASE_N = {"rb2": 192, "s2_k2_rb3": 192}  # N of a case (default 48)
 ROUTES = {"one_token": (1, 8, 4), "few": (5, 3, 2), "ragged": (12, 4, 3)}
 
 
@@ -55,7 +60,7 @@ def test_lane_groups_round_trip_and_index():
 def test_groups_gemv_equals_numpy(tmp_path, case, route):
     rng = np.random.default_rng(len(case) + 7 * len(route))
     tokens, experts, top_k = ROUTES[route]
-    n, k = 48, 384  # N: a block's last warp past N; K: three chunks
+    n, k = CASE_N.get(case, 48), 384  # N: a block's last warp past N; K: three chunks
     dense = [bf16(0.08 * rng.standard_normal((n, k))) for _ in range(experts)]
     packed = [quantize_int4_group(w, 32) for w in dense]
     words = np.stack([p for p, _ in packed])

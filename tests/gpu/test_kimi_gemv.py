@@ -1,6 +1,8 @@
-"""INT4 expert weights in the decode GEMV's tiled layout (core/quant.py ``tile_int4``, moe.cu
-INT4_TILED) on the GPU: every INT4 kernel gives the bits it gives on the checkpoint layout (the
-same products in the same order), and the dequantized NumPy product."""
+"""INT4 expert weights repacked for the decode GEMVs (core/quant.py ``tile_int4``: the tiled and the lane-groups
+layouts, moe.cu INT4_TILED 1 / 2) on the GPU, one parametrised set of tests per layout: every INT4 kernel gives
+the bits it gives on the checkpoint layout (the same products in the same order; the layout's own GEMVs within
+fp32 rounding), and the dequantized NumPy product; then the fused and decode-shaped forms (SiLU·mul, row
+blocks) and gemv.cu's opt-in one-row GEMVs."""
 
 from __future__ import annotations
 
@@ -43,20 +45,35 @@ GROUPED_KERNELS = [False, "moe_gemv", "wide", "wide_nc", "mma", "mma_nc", "mma_s
                    "tiled1_nc_rot_d6", "tiled1_nc_rot_d6_rb2", "tiled2_nc_rot"]
 
 
-@pytest.mark.parametrize("gemv_kernel", GROUPED_KERNELS, ids=["tiles" if k is False else k for k in GROUPED_KERNELS])
+LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "tiled1_nc_rot", "groups", "groups_d2",
+                       "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6",
+                       "groups_s8_k2", "groups_s8_p2", "groups_s8_p4"]
+
+
+def _kernel_id(kernel) -> str:
+    return "tiles" if kernel is False else "auto" if kernel is None else kernel
+
+
+# (layout, decode GEMV forced or False: the per-tile GEMM, None: what the tables pick) per repacked INT4 layout
+LAYOUT_EXPERT_KERNELS = [("tiled", k) for k in GROUPED_KERNELS] + [("lane_groups", k) for k in LANE_GROUPS_KERNELS]
+
+
+@pytest.mark.parametrize("layout,gemv_kernel", LAYOUT_EXPERT_KERNELS,
+                         ids=[f"{layout}-{_kernel_id(k)}" for layout, k in LAYOUT_EXPERT_KERNELS])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_tiled_experts_equal_checkpoint_layout(cuda_backend, rng, gemv_kernel, tokens):
-    """Grouped over moe_sort's tiles (gathered token rows, an idle expert, a 40-row tile at 40 tokens):
-    the tiled weight's output is the checkpoint layout's, bit for bit, for the per-tile GEMM and each
-    decode GEMV (moe_gemv_mma_staged, which reads checkpoint rows, runs moe_gemv_mma on tiled
-    weights); N = 96 (six 16-row blocks: split-K warps past N), K = 1152 (nine 128-weight chunks: the
-    rings wrap). The tiled layout's own GEMV (the "tiled" kernels; checkpoint-layout weights run
-    moe_gemv_mma there) applies the scales after the mma: fp32 rounding apart from moe_gemv_mma."""
+def test_repacked_experts_equal_checkpoint_layout(cuda_backend, rng, layout, gemv_kernel, tokens):
+    """Grouped over moe_sort's tiles (ragged: an idle expert, 1-2 rows per expert at 1 and 5 tokens, a 40-row
+    tile at 40): weights repacked into ``layout`` (tiled, lane-groups) give the checkpoint layout's bits by the
+    per-tile GEMM and every GEMV that reads them a word or 16 bytes at a time (moe_gemv_mma_staged, which reads
+    checkpoint rows, and another layout's GEMVs run moe_gemv_mma there); the layout's own GEMVs
+    (LAYOUT_GEMVS: moe_gemv_int4_tiled, moe_gemv_int4_groups, and what "auto" runs within LANE_GROUPS_CHOICE)
+    apply the scales after the mma: fp32 rounding apart. N = 96 (six 16-row blocks: a block's last warps past
+    N), K = 1152 (nine 128-weight chunks: the rings wrap); and the dequantized NumPy product."""
     moe = _moe_cuda()
     num_experts, top_k, out_features, in_features = 8, 2, 96, 1152
     rows_weight, reference = _int4_experts(rng, num_experts, out_features, in_features)
-    tiled = moe.tiled_int4(rows_weight)
-    assert tiled.layout == "tiled" and tiled.data.shape == (num_experts, 6, 9, 256)
+    repacked = moe.tiled_int4(rows_weight, layout)
+    assert repacked.layout == layout and repacked.data.shape == (num_experts, 6, 9, 256)
     x = bf16_random(rng, tokens, in_features)
     ids = rng.choice([0, 2, 3, 4, 5, 6, 7], (tokens, top_k)).astype(np.int32)  # expert 1 idle
     if tokens == 40:
@@ -65,8 +82,11 @@ def test_tiled_experts_equal_checkpoint_layout(cuda_backend, rng, gemv_kernel, t
     gemv = gemv_kernel is not False
     kernel = gemv_kernel or None
     outs = [cuda_backend.to_host(moe.grouped_gemm(cuda_backend.upload(x), weight, grouping, gather=True, gemv=gemv,
-                                                  gemv_kernel=kernel)) for weight in (rows_weight, tiled)]
-    if gemv_kernel in moe.TILED_GEMVS:
+                                                  gemv_kernel=kernel)) for weight in (rows_weight, repacked)]
+    per_expert = tokens * top_k / num_experts
+    ran = gemv_kernel if gemv_kernel else moe.layout_gemv(repacked, moe.gemv_for(per_expert, True, "int4"), None,
+                                                          per_expert) if gemv else None
+    if ran in moe.LAYOUT_GEMVS[layout]:
         assert relative_error(outs[1], outs[0]) < 5e-3
     else:
         assert np.array_equal(outs[1], outs[0])
@@ -75,57 +95,72 @@ def test_tiled_experts_equal_checkpoint_layout(cuda_backend, rng, gemv_kernel, t
     assert relative_error(outs[1], expected) < BF16_TOL
 
 
-@pytest.mark.parametrize("method,gemv_kernel", [("gemv", "moe_gemv"), ("gemv", "wide"), ("gemv", "mma"),
-                                                ("gemv", "mma_depth4"), ("dequantize", None), ("tiles", None),
-                                                ("gemv", "tiled"), ("gemv", None), (None, None)])
-@pytest.mark.parametrize("rows", [1, 9, 20])
-def test_tiled_dense_linear_equals_checkpoint_layout(cuda_backend, rng, method, gemv_kernel, rows):
-    """A dense INT4 linear (E = 1) in the tiled layout: the checkpoint layout's bits by every method
-    (moe_gemv_int4_tiled, what tiled weights run unless a GEMV is forced: within fp32 rounding of
-    moe_gemv_mma), and the dequantized product; moe_dequantize gives the same bf16 weight."""
+# (layout, method, GEMV) of the dense INT4 linear per repacked layout
+LAYOUT_DENSE_METHODS = [("tiled", m, k) for m, k in (
+    ("gemv", "moe_gemv"), ("gemv", "wide"), ("gemv", "mma"), ("gemv", "mma_depth4"), ("dequantize", None),
+    ("tiles", None), ("gemv", "tiled"), ("gemv", None), (None, None))] + [("lane_groups", m, k) for m, k in (
+    ("gemv", "groups"), ("gemv", "groups_p2"), ("gemv", "mma"), ("dequantize", None), ("tiles", None),
+    ("gemv", None), (None, None))]
+
+
+@pytest.mark.parametrize("layout,method,gemv_kernel", LAYOUT_DENSE_METHODS,
+                         ids=[f"{layout}-{m}-{k}" for layout, m, k in LAYOUT_DENSE_METHODS])
+@pytest.mark.parametrize("rows", [1, 2, 9, 20])
+def test_repacked_dense_linear_equals_checkpoint_layout(cuda_backend, rng, layout, method, gemv_kernel, rows):
+    """A dense INT4 linear (E = 1) repacked into ``layout``: the checkpoint layout's bits by every method, the
+    layout's own GEMV (moe_gemv_int4_tiled / moe_gemv_int4_groups: passes of 2 or 4 rows, a lone last row at 9)
+    within fp32 rounding of moe_gemv_mma; the dequantized product; moe_dequantize gives the same bf16 weight."""
     moe = _moe_cuda()
     weight, reference = _int4_experts(rng, 1, 256, 512)
-    tiled = moe.tiled_int4(weight)
+    repacked = moe.tiled_int4(weight, layout)
     x = cuda_backend.upload(bf16_random(rng, rows, 512))
     outs = [cuda_backend.to_host(moe.quantized_linear(x, w, cuda_backend.blas, method, gemv_kernel=gemv_kernel))
-            for w in (weight, tiled)]
+            for w in (weight, repacked)]
     chosen = moe.choose_gemv(rows, False, "int4") if method is None else "moe_gemv" if method == "gemv" else None
-    ran = gemv_kernel if method == "gemv" and gemv_kernel else moe.layout_gemv(tiled, chosen)
-    if ran in moe.TILED_GEMVS:
+    ran = gemv_kernel if method == "gemv" and gemv_kernel else moe.layout_gemv(repacked, chosen, None, rows)
+    if ran in moe.LAYOUT_GEMVS[layout]:
         assert relative_error(outs[1], outs[0]) < 5e-3
     else:
         assert np.array_equal(outs[1], outs[0])
     assert relative_error(outs[1], cuda_backend.to_host(x) @ reference[0].T) < BF16_TOL
-    assert np.array_equal(cupy.asnumpy(moe.dequantize(tiled)), cupy.asnumpy(moe.dequantize(weight)))
+    assert np.array_equal(cupy.asnumpy(moe.dequantize(repacked)), cupy.asnumpy(moe.dequantize(weight)))
 
 
-def test_int4_layout_switch(rng, monkeypatch):
-    """$OPENINFER_INT4_LAYOUT=tiled tiles INT4 uploads that fit (group 32, N % 16, K % 128) and leaves
-    the rest as stored; unset, uploads take DEFAULT_INT4_LAYOUT; the device repack is tile_int4's
-    (untile_int4 gives the checkpoint arrays back); an unknown layout is a clear error."""
+@pytest.mark.parametrize("layout", ["tiled", "lane_groups"])
+def test_int4_layout_switch(rng, monkeypatch, layout):
+    """$OPENINFER_INT4_LAYOUT=``layout`` repacks INT4 uploads that fit (group 32, N % 16, K % 128), the rest stay
+    as stored (N = 40, K = 224: not whole 16-row blocks / 128-weight chunks); unset, uploads take
+    DEFAULT_INT4_LAYOUT; the device repack is tile_int4's (untile_int4 gives the checkpoint arrays back); a
+    repacked weight is not repacked again; an unknown layout is a clear error."""
     moe = _moe_cuda()
-    monkeypatch.setenv(moe.INT4_LAYOUT_ENV, "tiled")
+    monkeypatch.setenv(moe.INT4_LAYOUT_ENV, layout)
     fits, _ = _int4_experts(rng, 2, 64, 256, layout=None)
-    ragged, _ = _int4_experts(rng, 2, 40, 256, layout=None)
-    assert fits.layout == "tiled" and ragged.layout == "rows"
+    assert fits.layout == layout
+    assert _int4_experts(rng, 2, 40, 256, layout=None)[0].layout == "rows"
+    assert _int4_experts(rng, 2, 64, 224, layout=None)[0].layout == "rows"
     monkeypatch.delenv(moe.INT4_LAYOUT_ENV)
     assert _int4_experts(rng, 1, 64, 256, layout=None)[0].layout == moe.DEFAULT_INT4_LAYOUT
     stored, _ = _int4_experts(rng, 2, 64, 256, layout="rows")
     assert stored.layout == "rows"
-    tiled = moe.tiled_int4(stored)
-    words, scales = untile_int4(cupy.asnumpy(tiled.data), cupy.asnumpy(tiled.scale), 64, 256)
+    repacked = moe.tiled_int4(stored, layout)
+    words, scales = untile_int4(cupy.asnumpy(repacked.data), cupy.asnumpy(repacked.scale), 64, 256,
+                                lane_groups=layout == "lane_groups")
     assert np.array_equal(words, cupy.asnumpy(stored.data)) and np.array_equal(scales, cupy.asnumpy(stored.scale))
-    assert moe.tiled_int4(tiled) is tiled
+    assert moe.tiled_int4(repacked, layout) is repacked and moe.tiled_int4(stored, "rows") is stored
     monkeypatch.setenv(moe.INT4_LAYOUT_ENV, "columns")
     with pytest.raises(ValueError, match="unknown INT4 layout"):
         _int4_experts(rng, 1, 64, 256, layout=None)
+    with pytest.raises(ValueError, match="unknown INT4 layout"):
+        moe.tiled_int4(stored, "columns")
 
 
+@pytest.mark.parametrize("after_route", ["0", "1"])
 @pytest.mark.parametrize("tokens", [1, 3, 64])
-def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens):
+def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens, after_route):
     """$OPENINFER_MOE_SHARED_OVERLAP=1 (unset: up to SHARED_OVERLAP_MAX_TOKENS tokens): moe_forward runs
-    the shared expert on a side stream beside the routed ones; the same kernels on the same inputs give
-    the same bits as inline, eagerly and replayed from a CUDA graph captured across both streams."""
+    the shared expert on a side stream beside the routed ones (OPENINFER_MOE_SHARED_AFTER_ROUTE=1: forked after
+    the routing); the same kernels on the same inputs give the same bits as inline, eagerly and replayed from a
+    CUDA graph captured across both streams."""
     from openinfer.moe import RouterSpec
 
     moe = _moe_cuda()
@@ -145,6 +180,7 @@ def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens):
     def step():
         return moe.moe_forward(cuda_backend, x, layer, shared_experts=shared_experts)
 
+    monkeypatch.setenv(moe.SHARED_AFTER_ROUTE_ENV, after_route)
     monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "0")
     inline = cuda_backend.to_host(step())
     assert np.array_equal(inline, cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer,
@@ -238,86 +274,6 @@ def test_wide_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_k
 
 
 # --- the lane-groups layout (tile_int4(lane_groups=True), moe.cu INT4_TILED 2) and moe_int4.cu's GEMV ---
-
-LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "tiled1_nc_rot", "groups", "groups_d2",
-                       "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6",
-                       "groups_s8_k2", "groups_s8_p2", "groups_s8_p4"]
-
-
-@pytest.mark.parametrize("gemv_kernel", LANE_GROUPS_KERNELS,
-                         ids=["tiles" if k is False else "auto" if k is None else k for k in LANE_GROUPS_KERNELS])
-@pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_lane_groups_experts_equal_checkpoint_layout(cuda_backend, rng, gemv_kernel, tokens):
-    """Grouped over moe_sort's tiles (ragged: an idle expert, 1-2 rows per expert at 1 and 5 tokens, a
-    40-row tile at 40): lane-groups weights give the checkpoint layout's bits by the per-tile GEMM and every
-    GEMV that reads them a word or 16 bytes at a time (tiled and staged names run moe_gemv_mma there);
-    moe_gemv_int4_groups (its GEMVs, and what "auto" runs within LANE_GROUPS_CHOICE) applies the scales
-    after the mma: fp32 rounding apart. N = 96 (a block's last two warps past N), K = 1152 (nine chunks: the
-    rings wrap); and the dequantized NumPy product."""
-    moe = _moe_cuda()
-    num_experts, top_k, out_features, in_features = 8, 2, 96, 1152
-    rows_weight, reference = _int4_experts(rng, num_experts, out_features, in_features)
-    groups = moe.tiled_int4(rows_weight, "lane_groups")
-    assert groups.layout == "lane_groups" and groups.data.shape == (num_experts, 6, 9, 256)
-    x = bf16_random(rng, tokens, in_features)
-    ids = rng.choice([0, 2, 3, 4, 5, 6, 7], (tokens, top_k)).astype(np.int32)  # expert 1 idle
-    if tokens == 40:
-        ids[:, 0] = 2
-    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
-    gemv = gemv_kernel is not False
-    kernel = gemv_kernel or None
-    outs = [cuda_backend.to_host(moe.grouped_gemm(cuda_backend.upload(x), weight, grouping, gather=True, gemv=gemv,
-                                                  gemv_kernel=kernel)) for weight in (rows_weight, groups)]
-    per_expert = tokens * top_k / num_experts
-    ran = gemv_kernel if gemv_kernel else moe.layout_gemv(groups, moe.gemv_for(per_expert, True, "int4"), None,
-                                                          per_expert) if gemv else None
-    if ran in moe.GROUPS_GEMVS:
-        assert relative_error(outs[1], outs[0]) < 5e-3
-    else:
-        assert np.array_equal(outs[1], outs[0])
-    slots = cupy.asnumpy(grouping.sorted_slots)
-    expected = np.stack([x[s // top_k] @ reference[ids.reshape(-1)[s]].T for s in slots])
-    assert relative_error(outs[1], expected) < BF16_TOL
-
-
-@pytest.mark.parametrize("method,gemv_kernel", [("gemv", "groups"), ("gemv", "groups_p2"), ("gemv", "mma"),
-                                                ("dequantize", None), ("tiles", None), ("gemv", None), (None, None)])
-@pytest.mark.parametrize("rows", [1, 2, 9])
-def test_lane_groups_dense_linear_equals_checkpoint_layout(cuda_backend, rng, method, gemv_kernel, rows):
-    """A dense INT4 linear (E = 1) in the lane-groups layout: moe_gemv_int4_groups over every row (passes of
-    2 or 4, a lone last row at 9) within fp32 rounding of the checkpoint layout's moe_gemv_mma, the other
-    methods bit for bit; the dequantized product; moe_dequantize gives the same bf16 weight."""
-    moe = _moe_cuda()
-    weight, reference = _int4_experts(rng, 1, 256, 512)
-    groups = moe.tiled_int4(weight, "lane_groups")
-    x = cuda_backend.upload(bf16_random(rng, rows, 512))
-    outs = [cuda_backend.to_host(moe.quantized_linear(x, w, cuda_backend.blas, method, gemv_kernel=gemv_kernel))
-            for w in (weight, groups)]
-    chosen = moe.choose_gemv(rows, False, "int4") if method is None else "moe_gemv" if method == "gemv" else None
-    ran = gemv_kernel if method == "gemv" and gemv_kernel else moe.layout_gemv(groups, chosen, None, rows)
-    if ran in moe.GROUPS_GEMVS:
-        assert relative_error(outs[1], outs[0]) < 5e-3
-    else:
-        assert np.array_equal(outs[1], outs[0])
-    assert relative_error(outs[1], cuda_backend.to_host(x) @ reference[0].T) < BF16_TOL
-    assert np.array_equal(cupy.asnumpy(moe.dequantize(groups)), cupy.asnumpy(moe.dequantize(weight)))
-
-
-def test_lane_groups_layout_switch(rng, monkeypatch):
-    """$OPENINFER_INT4_LAYOUT=lane_groups repacks INT4 uploads that fit (group 32, N % 16, K % 128), the rest
-    stay as stored (K = 200: not whole 128-weight chunks); the device repack is tile_int4's (untile_int4
-    gives the checkpoint arrays back); a repacked weight is not repacked again."""
-    moe = _moe_cuda()
-    monkeypatch.setenv(moe.INT4_LAYOUT_ENV, "lane_groups")
-    fits, _ = _int4_experts(rng, 2, 64, 256, layout=None)
-    ragged, _ = _int4_experts(rng, 2, 64, 224, layout=None)
-    assert fits.layout == "lane_groups" and ragged.layout == "rows"
-    stored, _ = _int4_experts(rng, 2, 64, 256, layout="rows")
-    words, scales = untile_int4(cupy.asnumpy(fits.data), cupy.asnumpy(fits.scale), 64, 256, lane_groups=True)
-    assert words.shape == cupy.asnumpy(stored.data).shape and scales.shape == cupy.asnumpy(stored.scale).shape
-    assert moe.tiled_int4(fits, "lane_groups") is fits and moe.tiled_int4(stored, "rows") is stored
-    with pytest.raises(ValueError, match="unknown INT4 layout"):
-        moe.tiled_int4(stored, "columns")
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 3, 64])
@@ -431,3 +387,153 @@ def test_gemv_m1_ksplit_equals_numpy(rng, ksplit, n, k):
         outs.append((cupy.asnumpy(out).astype(np.uint32) << 16).view(np.float32))
     assert relative_error(outs[1], outs[0]) < 5e-3
     assert relative_error(outs[1], x_host @ w_host.T) < BF16_TOL
+
+
+@pytest.mark.parametrize("row_blocks", ["2", "3", "auto"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_lane_groups_row_blocks_equal_one(cuda_backend, rng, monkeypatch, row_blocks, tokens):
+    """OPENINFER_INT4_ROW_BLOCKS (moe_int4.cu GROUPS_ROW_BLOCKS: each block several column blocks in turn, the
+    grid narrower): the bits of one column block per block (the same sums per row), N = 1040 (17 blocks of 64
+    columns, a last block past N); "auto" picks by waves: Kimi-K2's batch-1 down (112 x 9 blocks) twice, its
+    gate_up (64 x 9) and any prefill-sized grid once; a bad value is a clear error."""
+    moe = _moe_cuda()
+    num_experts, top_k, out_features, in_features = 8, 4, 1040, 256
+    weight = moe.tiled_int4(_int4_experts(rng, num_experts, out_features, in_features)[0], "lane_groups")
+    x = cuda_backend.upload(bf16_random(rng, tokens, in_features))
+    ids = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    monkeypatch.delenv(moe.INT4_ROW_BLOCKS_ENV, raising=False)
+    one = cupy.asnumpy(moe.grouped_gemm(x, weight, grouping, gather=True, gemv=True, gemv_kernel="groups_norot"))
+    monkeypatch.setenv(moe.INT4_ROW_BLOCKS_ENV, row_blocks)
+    several = cupy.asnumpy(moe.grouped_gemm(x, weight, grouping, gather=True, gemv=True, gemv_kernel="groups_norot"))
+    assert np.array_equal(several, one)
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    assert moe.int4_row_blocks(112, 9, 4, "auto") == (2 if sms == 132 else moe.int4_row_blocks(112, 9, 4, "auto"))
+    assert moe.int4_row_blocks(-(-sms * 4 // 9), 9, 4, "auto") == 1 and moe.int4_row_blocks(112, 392, 4, "auto") == 1
+    assert moe.int4_row_blocks(112, 9, 4, "1") == 1 and moe.int4_row_blocks(3, 9, 4, "8") == 3
+    with pytest.raises(ValueError, match="auto or a positive integer"):
+        moe.int4_row_blocks(112, 9, 4, "two")
+
+
+@pytest.mark.parametrize("n,k", [(12288, 1536), (100, 264), (37, 7168), (40, 2056)])
+def test_gemv_m1_rms_scaled_matches_numpy(cuda_backend, rng, monkeypatch, n, k):
+    """gemv.cu gemv_m1_rms_scaled (OPENINFER_RMS_SCALED_GEMV=1: add_rms_norm_linear without a residual as one
+    launch, the norm a scale on each column's sum): the NumPy rms_norm then product within bf16 rounding, the
+    two-launch path (rms_norm, gemv_m1) within a few bf16 ulps; Kimi-K2's q_b, a partial pass, a long row, K past
+    whole passes of 8; the input row handed back; rows other than one take the two launches; a bad value errors."""
+    from openinfer.backend.cuda import linear as cuda_linear
+
+    w_host = bf16_random(rng, n, k, scale=0.02)
+    x_host = bf16_random(rng, 1, k, scale=3.0)
+    norm_host = bf16_random(rng, k, scale=0.3) + np.float32(1.0)
+    layer = cuda_backend.linear_weight(w_host)
+    norm = cuda_backend.weight(norm_host)
+    x = cuda_backend.upload(x_host)
+    monkeypatch.setenv(cuda_linear.RMS_SCALED_GEMV_ENV, "0")
+    two, _ = cuda_backend.add_rms_norm_linear(x, None, norm, 1e-6, layer)
+    monkeypatch.setenv(cuda_linear.RMS_SCALED_GEMV_ENV, "1")
+    assert cuda_linear.rms_scaled_wanted(x, layer)
+    one, passed = cuda_backend.add_rms_norm_linear(x, None, norm, 1e-6, layer)
+    assert passed is x and one.shape == (1, n)
+    normed = x_host / np.sqrt(np.mean(x_host.astype(np.float64) ** 2) + 1e-6) * norm_host
+    expected = normed @ w_host.T
+    assert relative_error(cuda_backend.to_host(one), expected) < BF16_TOL
+    assert relative_error(cuda_backend.to_host(one), cuda_backend.to_host(two)) < 1e-2
+    rows2 = cuda_backend.upload(bf16_random(rng, 2, k))
+    assert not cuda_linear.rms_scaled_wanted(rows2, layer)
+    monkeypatch.setenv(cuda_linear.RMS_SCALED_GEMV_ENV, "maybe")
+    with pytest.raises(ValueError, match="must be 1 or 0"):
+        cuda_linear.rms_scaled_wanted(x, layer)
+
+
+def test_weight_prefetch_is_a_hint(cuda_backend, rng, monkeypatch):
+    """linear.start_weight_prefetch (OPENINFER_L2_WEIGHT_PREFETCH_MB): a weight's last bytes pulled into L2 from a
+    side stream changes no result, eagerly or inside a captured graph (the fork joined); 0 / unset: nothing
+    launched; more than the weight: the whole weight; a bad value is a clear error."""
+    from openinfer.backend.cuda import linear as cuda_linear
+
+    layer = cuda_backend.linear_weight(bf16_random(rng, 300, 1024, scale=0.02))
+    x = cuda_backend.upload(bf16_random(rng, 1, 1024))
+    want = cuda_backend.to_host(cuda_backend.linear(x, layer))
+    monkeypatch.delenv(cuda_linear.L2_WEIGHT_PREFETCH_ENV, raising=False)
+    assert cuda_linear.start_weight_prefetch(layer) is None
+    monkeypatch.setenv(cuda_linear.L2_WEIGHT_PREFETCH_ENV, "0.25")
+    assert cuda_linear.weight_prefetch_bytes() == 2**18
+    joined = cuda_linear.start_weight_prefetch(layer)
+    assert joined is not None
+    out = cuda_backend.linear(x, layer)
+    cuda_linear.join_weight_prefetch(joined)
+    assert np.array_equal(cuda_backend.to_host(out), want)
+    assert cuda_linear.start_weight_prefetch(layer, 1 << 30) is not None  # past the weight's 600 KB: all of it
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        stream.begin_capture()
+        try:
+            joined = cuda_linear.start_weight_prefetch(layer)
+            out = cuda_backend.linear(x, layer)
+            cuda_linear.join_weight_prefetch(joined)
+        finally:
+            graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(cuda_backend.to_host(out), want)
+    monkeypatch.setenv(cuda_linear.L2_WEIGHT_PREFETCH_ENV, "lots")
+    with pytest.raises(ValueError, match="megabytes"):
+        cuda_linear.weight_prefetch_bytes()
+
+
+@pytest.mark.parametrize("silu", ["0", "1"])
+@pytest.mark.parametrize("router", ["warps", "blocks", "fused"])
+def test_decode_pdl_same_bits(cuda_backend, rng, monkeypatch, router, silu):
+    """OPENINFER_DECODE_PDL=1 (programmatic dependent launch of gemv_m1, gemv_m1_rms_scaled, the decode routers,
+    moe_route_sort and moe_gemv_int4_groups; weights loaded before the wait for the previous kernel): a batch-1
+    chain of them — q_a_norm + q_b (one launch), a dense GEMV, then the MoE block with lane-groups INT4 experts —
+    gives the bits of plain launches, on a stream of its own eagerly and replayed from a CUDA graph; the down
+    GEMV loads its first weight chunks before the wait (DECODE_PDL 2), after silu_mul or (OPENINFER_MOE_GEMV_SILU=1)
+    right after the fused gate_up GEMV."""
+    from openinfer.backend.cuda import linear as cuda_linear
+    from openinfer.moe import RouterSpec
+
+    moe = _moe_cuda()
+    hidden, inter, experts, q_lora = 512, 128, 32, 256
+    q_b = cuda_backend.linear_weight(bf16_random(rng, hidden, q_lora, scale=0.05))
+    o_proj = cuda_backend.linear_weight(bf16_random(rng, hidden, hidden, scale=0.05))
+    norm = cuda_backend.weight(bf16_random(rng, q_lora, scale=0.2) + np.float32(1.0))
+    gate_up, _ = _int4_experts(rng, experts, 2 * inter, hidden)
+    down, _ = _int4_experts(rng, experts, hidden, inter)
+    spec = RouterSpec(experts, 4, "sigmoid", routed_scaling_factor=2.5)
+    layer = moe.DeviceMoE(spec, cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1)),
+                          cupy.asarray((0.1 * rng.standard_normal(experts)).astype(np.float32)),
+                          moe.tiled_int4(gate_up, "lane_groups"), moe.tiled_int4(down, "lane_groups"))
+    x = cuda_backend.upload(bf16_random(rng, 1, q_lora))
+    monkeypatch.setenv(cuda_linear.RMS_SCALED_GEMV_ENV, "1")
+    monkeypatch.setenv(moe.ROUTER_BLOCKS_ENV, "1" if router == "blocks" else "0")
+    monkeypatch.setenv(moe.ROUTER_FUSED_ENV, "1" if router == "fused" else "0")
+    monkeypatch.setenv(moe.GEMV_SILU_ENV, silu)
+
+    def step():
+        q, _ = cuda_backend.add_rms_norm_linear(x, None, norm, 1e-6, q_b)
+        h = cuda_backend.linear(q, o_proj)
+        return h, moe.moe_forward(cuda_backend, h, layer)
+
+    results = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv(cuda_linear.DECODE_PDL_ENV, pdl)
+        pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+        with cupy.cuda.using_allocator(pool.malloc), stream:
+            eager = [cupy.asnumpy(a) for a in step()]
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                outs = step()
+            finally:
+                graph = stream.end_capture()
+            for _ in range(2):
+                graph.launch(stream)
+                stream.synchronize()
+                assert all(np.array_equal(cupy.asnumpy(a), b) for a, b in zip(outs, eager, strict=True))
+        results[pdl] = eager
+    assert all(np.array_equal(a, b) for a, b in zip(results["1"], results["0"], strict=True))
+    monkeypatch.setenv(cuda_linear.DECODE_PDL_ENV, "sometimes")
+    with pytest.raises(ValueError, match="must be 1 or 0"):
+        cuda_linear.decode_pdl()

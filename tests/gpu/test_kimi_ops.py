@@ -116,6 +116,77 @@ def test_router_logits_mma_matches_numpy(cuda_backend, rng, tokens, experts, hid
     assert np.array_equal(narrow_ids.get(), ids.get()) and np.array_equal(narrow_weights.get(), weights.get())
 
 
+@pytest.mark.parametrize("tokens,experts,top_k,shared,hidden,scoring", [
+    (1, 384, 8, 0, 7168, "sigmoid"), (4, 384, 8, 1, 7168, "sigmoid"), (1, 64, 6, 2, 2048, "sigmoid"),
+    (3, 60, 4, 0, 264, "softmax"), (2, 512, 16, 0, 256, "sqrtsoftplus")],
+    ids=["kimi1", "kimi4_shared", "moonlight1_shared2", "softmax3", "sqrtsoftplus2"])
+def test_router_blocks_and_fused_route_match_numpy(cuda_backend, rng, monkeypatch, tokens, experts, top_k, shared,
+                                                   hidden, scoring):
+    """Decode-sized routing with a block per expert: moe_router_logits_blocks (OPENINFER_MOE_ROUTER_BLOCKS=1)
+    against NumPy's fp32 logits; moe_router_route_sort (OPENINFER_MOE_ROUTER_FUSED=1, logits + top-k + grouping in
+    one launch, the last block routing) against NumPy's route and moe_sort_parallel's layout of its ids (fused
+    shared experts' columns too), three eager calls and two graph replays alike (the ticket counter starts at
+    zero each time)."""
+    moe = _moe_cuda()
+    router = RouterSpec(experts, top_k, scoring, norm_topk_prob=scoring != "softmax", routed_scaling_factor=2.446)
+    x, gate = bf16_random(rng, tokens, hidden), bf16_random(rng, experts, hidden, scale=0.05)
+    bias = None if scoring == "softmax" else (0.3 * rng.standard_normal(experts)).astype(np.float32)
+    x_device, gate_device = cuda_backend.upload(x), cuda_backend.weight(gate)
+    layer = moe.DeviceMoE(router, gate_device, None if bias is None else cupy.asarray(bias), None, None,
+                          shared_experts=shared)
+    reference = x @ gate.T
+    scale = np.abs(reference).max()
+    monkeypatch.setenv(moe.ROUTER_BLOCKS_ENV, "1")
+    assert moe.router_blocks_wanted(tokens)
+    blocks = moe.router_logits(x_device, gate_device, router)
+    assert blocks.shape == (tokens, experts)
+    assert np.abs(blocks.get() - reference).max() <= 1e-5 * scale
+    ref_weights, ref_ids = route(reference, router, bias)
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
+    monkeypatch.setenv(moe.ROUTER_FUSED_ENV, "1")
+    assert moe.route_sort_wanted(tokens, router, None, shared) and moe.router_fused_wanted(x_device, gate_device)
+
+    def check(grouping):
+        ids, weights = grouping.ids.get(), grouping.weights.get()
+        assert ids.shape == (tokens, top_k + shared)
+        assert np.array_equal(ids[:, top_k:], np.tile(experts + np.arange(shared), (tokens, 1)))
+        assert np.all(weights[:, top_k:] == 1.0)
+        order, ref_order = np.argsort(ids[:, :top_k], 1), np.argsort(ref_ids, 1)
+        assert np.array_equal(np.take_along_axis(ids[:, :top_k], order, 1), np.take_along_axis(ref_ids, ref_order, 1))
+        assert np.allclose(np.take_along_axis(weights[:, :top_k], order, 1),
+                           np.take_along_axis(ref_weights, ref_order, 1), rtol=1e-4, atol=1e-5)
+        single = moe.group_by_expert(grouping.ids, grouping.weights, experts + shared, method="single")
+        offsets, tiles = single.offsets.get(), int(single.num_tiles.get()[0])
+        assert np.array_equal(grouping.offsets.get(), offsets)
+        assert grouping.max_tiles == single.max_tiles and int(grouping.num_tiles.get()[0]) == tiles
+        assert np.array_equal(grouping.tile_expert.get()[:tiles], single.tile_expert.get()[:tiles])
+        assert np.array_equal(grouping.tile_row.get()[:tiles], single.tile_row.get()[:tiles])
+        sorted_slots, slot_pos, flat = grouping.sorted_slots.get(), grouping.slot_pos.get(), ids.reshape(-1)
+        assert np.array_equal(sorted_slots[slot_pos], np.arange(flat.size))
+        for e in range(experts + shared):
+            assert np.array_equal(np.sort(sorted_slots[offsets[e]:offsets[e + 1]]), np.flatnonzero(flat == e))
+        return ids, weights
+
+    first = check(moe.route_and_group(x_device, layer))
+    for _ in range(2):
+        again = check(moe.route_and_group(x_device, layer))
+        assert all(np.array_equal(a, b) for a, b in zip(again, first, strict=True))
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        moe.route_and_group(x_device, layer)
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            grouping = moe.route_and_group(x_device, layer)
+        finally:
+            graph = stream.end_capture()
+        for _ in range(2):
+            graph.launch(stream)
+            stream.synchronize()
+            replayed = check(grouping)
+            assert all(np.array_equal(a, b) for a, b in zip(replayed, first, strict=True))
+
+
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 64, 6), (700, 64, 6), (1500, 384, 8), (3001, 7, 3)])
 def test_group_blocks_equal_sort_parallel(cuda_backend, rng, tokens, experts, top_k):
     """moe_expert_counts + moe_place_slots (one block per expert) against moe_sort_parallel: the same

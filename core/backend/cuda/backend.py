@@ -33,6 +33,8 @@ from openinfer.backend.cuda.linear import (
     linear,
     linear_accumulate,
     residual_gemm_wanted,
+    rms_norm_gemv,
+    rms_scaled_wanted,
 )
 from openinfer.backend.cuda.loader import (
     compile_kernels,
@@ -385,6 +387,8 @@ class CudaBackend:
             return fused_add_rms_norm_gemv(x, residual, weight, eps, _norm_threads(x.shape[1]), layer,
                                            self.num_sms, self.fused_launch)
         if residual is None:
+            if rms_scaled_wanted(x, layer):  # one launch, no normalised row (linear.RMS_SCALED_GEMV_ENV)
+                return rms_norm_gemv(x, weight, eps, layer), x
             return self.linear(self.rms_norm(x, weight, eps), layer), x
         h, residual = self.add_rms_norm(x, residual, weight, eps)
         return self.linear(h, layer), residual

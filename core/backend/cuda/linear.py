@@ -18,6 +18,7 @@ import numpy as np
 
 from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.loader import kernel
+from openinfer.backend.cuda.pdl_launch import launch
 from openinfer.backend.cuda.row_buckets import padded_rows
 
 GEMV_MAX_ROWS = 1  # measured on H200: gemv_m2..m8 lose to cuBLAS (bs 2-8 decode 4.3-10.7 ms vs 4.3)
@@ -59,6 +60,35 @@ class CudaLinear:
         return int(self.weight.shape[1])
 
 
+# OPENINFER_DECODE_PDL=1 (opt-in until measured): the one-row GEMVs (gemv_m1, gemv_m1_rms_scaled), the decode
+# routers and the lane-groups INT4 GEMV are built with DECODE_PDL (kernels/decode_pdl.cuh) and launched with
+# programmatic dependent launch (pdl_launch): each lets the next kernel launch once its last CTA started, and
+# issues its weight loads before waiting for the previous kernel, so a weight stream starts in the previous
+# kernel's tail. The same bits either way.
+DECODE_PDL_ENV = "OPENINFER_DECODE_PDL"
+DEFAULT_DECODE_PDL = False
+
+
+def decode_pdl() -> bool:
+    """$OPENINFER_DECODE_PDL: 1 / 0 (unset: DEFAULT_DECODE_PDL); another value is a clear error."""
+    value = os.environ.get(DECODE_PDL_ENV, "").strip().lower()
+    if value not in ("", "0", "1", "true", "false", "on", "off"):
+        raise ValueError(f"{DECODE_PDL_ENV} must be 1 or 0, got {value!r}")
+    return DEFAULT_DECODE_PDL if value == "" else value in ("1", "true", "on")
+
+
+def launch_decode(source: str, name: str, grid, block, args: tuple, shared_mem: int = 0, pdl_mode: int = 1,
+                  **defines: int) -> None:
+    """``kernel(source, name, **defines)`` launched plainly, or built with DECODE_PDL = ``pdl_mode`` (2: the
+    kernel's mode for inputs written before the previous kernel, where it has one) and launched after the
+    previous kernel by programmatic dependent launch where ``decode_pdl``."""
+    if decode_pdl():
+        launch(kernel(source, name, **defines, DECODE_PDL=pdl_mode), grid, block, args, shared_mem=shared_mem,
+               after_previous=True)
+    else:
+        kernel(source, name, **defines)(grid, block, args, shared_mem=shared_mem)
+
+
 def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
     """``out = x @ W^T (+ bias)`` through gemv.cu, for at most 8 rows and in_features % 8 == 0."""
     m, k = x.shape
@@ -67,8 +97,11 @@ def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
     columns_per_block = GEMV_WARPS_PER_BLOCK * GEMV_COLUMNS_PER_WARP[rows]
     grid = (n + columns_per_block - 1) // columns_per_block
     bias = layer.bias if layer.bias is not None else NULL
-    kernel("gemv.cu", f"gemv_m{rows}")((grid,), (GEMV_WARPS_PER_BLOCK * 32,),
-                                       (x, layer.weight, bias, out, np.int32(m), np.int32(n), np.int32(k)))
+    args = (x, layer.weight, bias, out, np.int32(m), np.int32(n), np.int32(k))
+    if rows == 1:
+        launch_decode("gemv.cu", "gemv_m1", (grid,), (GEMV_WARPS_PER_BLOCK * 32,), args)
+        return
+    kernel("gemv.cu", f"gemv_m{rows}")((grid,), (GEMV_WARPS_PER_BLOCK * 32,), args)
 
 
 FUSED_MAX_IN_FEATURES = 24576  # the fused GEMVs keep their bf16 input row in 48 KB of shared memory
@@ -134,6 +167,89 @@ def fused_silu_mul_gemv(gate_up: cupy.ndarray, layer: CudaLinear, num_sms: int,
          np.int32(launch.prefetch_bytes)),
         shared_mem=2 * k)
     return out
+
+
+# OPENINFER_RMS_SCALED_GEMV=1 (opt-in until measured): ``rms_norm(x) @ W^T`` for one row as one launch,
+# gemv.cu ``gemv_m1_rms_scaled`` (each warp sums x² over the row it walks anyway and scales its column's
+# Σ x·g·w at the end: no normalised row, no norm launch; within bf16 rounding of the two launches, not
+# their bits). Where the CUDA backend's add_rms_norm_linear has no residual (Kimi-K2 / DeepSeek-V3's
+# q_a_norm + q_b at batch 1: rms_norm + gemv_m1 17.4 us in s11 D3's breakdown, gemv_m1 alone 12.2).
+RMS_SCALED_GEMV_ENV = "OPENINFER_RMS_SCALED_GEMV"
+DEFAULT_RMS_SCALED_GEMV = False
+
+
+def rms_scaled_wanted(x: cupy.ndarray, layer: CudaLinear) -> bool:
+    """Whether ``rms_norm_gemv`` runs ``rms_norm(x) @ W^T``: the switch (1 / 0, unset: the default; another
+    value: a clear error), one row, in_features % 8 == 0, 16-byte aligned rows."""
+    value = os.environ.get(RMS_SCALED_GEMV_ENV, "").strip().lower()
+    if value not in ("", "0", "1", "true", "false", "on", "off"):
+        raise ValueError(f"{RMS_SCALED_GEMV_ENV} must be 1 or 0, got {value!r}")
+    on = DEFAULT_RMS_SCALED_GEMV if value == "" else value in ("1", "true", "on")
+    return (on and x.ndim == 2 and x.shape[0] == 1 and x.shape[1] == layer.in_features
+            and layer.in_features % 8 == 0 and x.data.ptr % 16 == 0 and layer.weight.data.ptr % 16 == 0)
+
+
+def rms_norm_gemv(x: cupy.ndarray, norm_weight: cupy.ndarray, eps: float, layer: CudaLinear) -> cupy.ndarray:
+    """``rms_norm(x, norm_weight, eps) @ W^T (+ bias)`` for one bf16 row in one launch (``gemv_m1_rms_scaled``);
+    the caller checks ``rms_scaled_wanted``."""
+    n, k = layer.out_features, layer.in_features
+    out = cupy.empty((1, n), dtype=cupy.uint16)
+    launch_decode("gemv.cu", "gemv_m1_rms_scaled", (-(-n // GEMV_WARPS_PER_BLOCK),), (GEMV_WARPS_PER_BLOCK * 32,),
+                  (cupy.ascontiguousarray(x), norm_weight, np.float32(eps), layer.weight,
+                   layer.bias if layer.bias is not None else NULL, out, np.int32(n), np.int32(k)))
+    return out
+
+
+# OPENINFER_L2_WEIGHT_PREFETCH_MB=M (opt-in until measured; 0 / unset: off): ``start_weight_prefetch`` pulls the
+# last M MB of a dense weight into L2 from a side stream (moe_routing.cu moe_l2_prefetch, evict-normal hints;
+# nothing written), for a projection that follows latency-bound kernels: Kimi-K2's o_proj (117 MB, 32 us at
+# batch 1) after the MLA decode (~40 us of kernels that read ~20 MB: HBM mostly idle). The last rows: the ones
+# gemv_m1's second, partial wave reads, so the step's tail is what gets shorter.
+L2_WEIGHT_PREFETCH_ENV = "OPENINFER_L2_WEIGHT_PREFETCH_MB"
+L2_PREFETCH_BLOCKS, L2_PREFETCH_THREADS = 16, 128  # moe_l2_prefetch: 16 KB chunks per thread, grid-stride
+_weight_prefetch_streams: dict[int, tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]] = {}
+
+
+def weight_prefetch_bytes() -> int:
+    """$OPENINFER_L2_WEIGHT_PREFETCH_MB in bytes (unset: 0); not a number >= 0: a clear error."""
+    value = os.environ.get(L2_WEIGHT_PREFETCH_ENV, "").strip() or "0"
+    try:
+        megabytes = float(value)
+    except ValueError:
+        megabytes = -1.0
+    if not megabytes >= 0:
+        raise ValueError(f"{L2_WEIGHT_PREFETCH_ENV} must be a number of megabytes >= 0, got {value!r}")
+    return int(megabytes * 2**20) // 16 * 16
+
+
+def start_weight_prefetch(layer: CudaLinear, most_bytes: int | None = None) -> cupy.cuda.Event | None:
+    """Launch moe_l2_prefetch of ``layer``'s last ``most_bytes`` (default ``weight_prefetch_bytes``) on this
+    device's prefetch stream, forked from the current one; returns the event the current stream must wait for
+    before the step ends (``join_weight_prefetch``: a graph capture must join its forks), None when off."""
+    most = weight_prefetch_bytes() if most_bytes is None else most_bytes
+    flat = layer.weight.reshape(-1)
+    take = min(int(flat.nbytes), most) // 16 * 16
+    if take <= 0 or not layer.weight.flags.c_contiguous or layer.weight.data.ptr % 16:
+        return None
+    device = cupy.cuda.Device().id
+    if device not in _weight_prefetch_streams:
+        _weight_prefetch_streams[device] = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
+                                            cupy.cuda.Event(disable_timing=True))
+    side, forked, joined = _weight_prefetch_streams[device]
+    forked.record(cupy.cuda.get_current_stream())
+    side.wait_event(forked)
+    tail = flat[flat.size - take // flat.itemsize:]
+    with side:
+        kernel("moe_routing.cu", "moe_l2_prefetch")((L2_PREFETCH_BLOCKS,), (L2_PREFETCH_THREADS,), (
+            tail, np.int64(tail.nbytes), NULL, np.int64(0), np.int32(0)))
+        joined.record(side)
+    return joined
+
+
+def join_weight_prefetch(joined: cupy.cuda.Event | None) -> None:
+    """The current stream waits for ``start_weight_prefetch``'s launch (None: nothing to wait for)."""
+    if joined is not None:
+        cupy.cuda.get_current_stream().wait_event(joined)
 
 
 def _add_bias(out: cupy.ndarray, bias: cupy.ndarray) -> None:

@@ -44,12 +44,14 @@ routing's counts back, where cuBLAS on each expert's rows is worth a sync per la
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
 import cupy
 import numpy as np
 
+from openinfer.backend.cuda.linear import launch_decode
 from openinfer.backend.cuda.loader import kernel
 from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, rotated_units, sm90_experts, sm90_pdl
 from openinfer.backend.cuda.pdl_launch import launch
@@ -209,6 +211,34 @@ TILED_GEMV = "tiled1_nc_rot"
 # 5260 / 2667 (moe_gemv_mma there, in the layer: 3166 / 1590). D2 (same sweep): 1 token 58.4 / 36.4 -> 44.6 / 26.3,
 # 42.4 / 26.2; 16 tokens 653 / 334 -> 508 / 275, 516 / 267; 64 tokens 1785 / 853 -> 1693 / 878, 1650 / 867.
 LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_norot"), (3, "groups"))
+# OPENINFER_INT4_ROW_BLOCKS (moe_int4.cu GROUPS_ROW_BLOCKS): each block of moe_gemv_int4_groups takes R column
+# blocks in turn (blockIdx.x, + gridDim.x, ...), the grid R times narrower. "auto": for decode-sized grids (at most
+# ROW_BLOCKS_MAX_TILES tile rows) that exceed one wave of resident blocks by a quarter or more, R = the waves
+# (at most ROW_BLOCKS_MOST): Kimi-K2's batch-1 down projection (112 column blocks x 9 tile rows = 1,008 blocks
+# where 132 SMs hold 528: 1.9 waves of 16-chunk walks) runs as one wave of 32-chunk walks; gate_up (576) stays.
+# An integer forces R; unset or 1: off. Opt-in until measured on the device.
+INT4_ROW_BLOCKS_ENV, ROW_BLOCKS_MAX_TILES, ROW_BLOCKS_MOST = "OPENINFER_INT4_ROW_BLOCKS", 16, 4
+DEFAULT_INT4_ROW_BLOCKS = "1"
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+def int4_row_blocks(column_blocks: int, tile_rows: int, min_blocks: int, value: str | None = None) -> int:
+    """GROUPS_ROW_BLOCKS for a moe_gemv_int4_groups grid of ``column_blocks`` x ``tile_rows`` blocks of which an SM
+    holds ``min_blocks`` (see INT4_ROW_BLOCKS_ENV); a bad value is a clear error."""
+    value = (value if value is not None else os.environ.get(INT4_ROW_BLOCKS_ENV, "")).strip().lower() \
+        or DEFAULT_INT4_ROW_BLOCKS
+    if value == "auto":
+        if tile_rows > ROW_BLOCKS_MAX_TILES or column_blocks < 2:
+            return 1
+        waves = column_blocks * tile_rows / (_sm_count(cupy.cuda.Device().id) * min_blocks)
+        return max(1, min(ROW_BLOCKS_MOST, column_blocks, round(waves))) if waves >= 1.25 else 1
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{INT4_ROW_BLOCKS_ENV} must be auto or a positive integer, got {value!r}")
+    return min(int(value), column_blocks)
 # The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
 # rows; grouped: the step's slots averaged over the experts, T·k / E), the first entry whose bound
 # holds; past the last, no GEMV (dense: dequantize + cuBLAS, or the per-tile GEMM without a handle;
@@ -360,6 +390,17 @@ ROUTE_WARPS_ENV, ROUTE_WARPS = "OPENINFER_MOE_ROUTE_WARPS", 8  # moe_routing.cu 
 # =1 up to ROUTE_SORT_MAX_TOKENS, =0 never.
 ROUTE_SORT_ENV, ROUTE_SORT_MAX_TOKENS, ROUTE_SORT_DEFAULT_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT", 64, 1
 ROUTE_SORT_THREADS, ROUTE_SORT_MAX_SLOTS = 512, 2048  # moe_routing.cu ROUTE_SORT_WARPS x 32, ROUTE_SORT_MAX_SLOTS
+# Decode steps of at most ROUTER_BLOCKS_MAX_TOKENS tokens (moe_routing.cu): OPENINFER_MOE_ROUTER_BLOCKS=1 computes
+# the router logits with a block per expert (moe_router_logits_blocks: the block's threads split the hidden row,
+# ~ROUTER_BLOCKS_CHUNKS 16-byte loads each), where moe_router_logits has a warp per token and expert walk the whole
+# row (Kimi-K2 at one token: 48 blocks, 28 serial loads a lane; 9.2 us for 5.5 MB, s11 D3).
+# OPENINFER_MOE_ROUTER_FUSED=1: ``route_and_group`` in one launch, moe_router_route_sort (those logits, then the
+# last block to finish runs moe_route_sort's body), its ticket counter zeroed per call (a memset node in a graph:
+# no state shared across streams or graphs; the deleted moe_decode.cu kept one counter per device).
+# Opt-in until measured on the device.
+ROUTER_BLOCKS_ENV, ROUTER_FUSED_ENV = "OPENINFER_MOE_ROUTER_BLOCKS", "OPENINFER_MOE_ROUTER_FUSED"
+ROUTER_BLOCKS_MAX_TOKENS, ROUTER_BLOCKS_CHUNKS = 4, 2  # moe_routing.cu ROUTER_BLOCKS_MAX_TOKENS
+DEFAULT_ROUTER_BLOCKS, DEFAULT_ROUTER_FUSED = False, False
 GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
 GROUPING_METHODS = ("single", "blocks", "chunks")
@@ -541,6 +582,26 @@ def route_sort_wanted(num_tokens: int, spec: RouterSpec, tid2eid: cupy.ndarray |
             and spec.num_experts + shared_experts <= ROUTE_SORT_THREADS and spec.top_k + shared_experts <= 32)
 
 
+def router_blocks_wanted(num_tokens: int) -> bool:
+    """Whether ``router_logits`` takes moe_router_logits_blocks (see ROUTER_BLOCKS_ENV)."""
+    return 0 < num_tokens <= ROUTER_BLOCKS_MAX_TOKENS and _switch(ROUTER_BLOCKS_ENV, default=DEFAULT_ROUTER_BLOCKS)
+
+
+def router_fused_wanted(x: cupy.ndarray, gate: cupy.ndarray) -> bool:
+    """Whether ``route_and_group`` runs as one launch, moe_router_route_sort (see ROUTER_BLOCKS_ENV): the switch,
+    at most ROUTER_BLOCKS_MAX_TOKENS tokens, rows the 16-byte loads can take."""
+    return (0 < int(x.shape[0]) <= ROUTER_BLOCKS_MAX_TOKENS and _switch(ROUTER_FUSED_ENV, default=DEFAULT_ROUTER_FUSED)
+            and int(x.shape[1]) % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0)
+
+
+def router_blocks_threads(hidden: int, most: int = 1024) -> int:
+    """Threads of a moe_router_logits_blocks block: ~ROUTER_BLOCKS_CHUNKS 16-byte chunks of the row each, a
+    multiple of 32 within [32, most]."""
+    chunks = -(-hidden // 8)
+    threads = -(-chunks // ROUTER_BLOCKS_CHUNKS)
+    return max(32, min(most, -(-threads // 32) * 32))
+
+
 def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice | None:
     """``group_by_expert(*route(x, ...))`` of ``layer`` in two launches: router_logits, then moe_route_sort
     (the same ids and weights as moe_route_warps, moe_sort_parallel's offsets and tile list; each expert's
@@ -548,7 +609,9 @@ def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice |
     rows): the caller routes the usual way. The caller checks ``route_sort_wanted``."""
     spec, shared = layer.router, layer.shared_experts
     check_router(spec, shared)
-    logits = router_logits(x, layer.gate, spec, layer.tid2eid)
+    fused = router_fused_wanted(x, layer.gate) and layer.tid2eid is None
+    logits = (cupy.empty((int(x.shape[0]), spec.num_experts), cupy.float32) if fused
+              else router_logits(x, layer.gate, spec, layer.tid2eid))
     if logits is None:
         return None
     num_tokens, width = int(x.shape[0]), spec.top_k + shared
@@ -560,12 +623,21 @@ def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice |
         cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(1, cupy.int32),
         tiles, width)
     defines = {"ROUTE_SHARED_EXPERTS": shared} if shared else {}
-    kernel("moe_routing.cu", "moe_route_sort", **defines)((1,), (ROUTE_SORT_THREADS,), (
+    bias = NULL if layer.correction_bias is None else layer.correction_bias
+    if fused:  # logits, top-k and grouping in one launch; its ticket counter zeroed here
+        launch_decode("moe_routing.cu", "moe_router_route_sort", (spec.num_experts,), (ROUTE_SORT_THREADS,), (
+            x, layer.gate, np.int32(num_tokens), np.int32(x.shape[1]), logits, cupy.zeros(1, cupy.uint32), bias,
+            np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
+            np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights,
+            grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
+            grouping.num_tiles, np.int32(tiles)), **defines)
+        return grouping
+    launch_decode("moe_routing.cu", "moe_route_sort", (1,), (ROUTE_SORT_THREADS,), (
         logits, NULL if layer.correction_bias is None else layer.correction_bias, np.int32(num_tokens),
         np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
         np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights,
         grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
-        grouping.num_tiles, np.int32(tiles)))
+        grouping.num_tiles, np.int32(tiles)), **defines)
     return grouping
 
 
@@ -605,6 +677,10 @@ def router_logits(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
             fn.max_dynamic_shared_size_bytes = shared
         fn((-(-num_tokens // ROUTER_TILE), -(-spec.num_experts // ROUTER_TILE)), (128,),
            (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits), shared_mem=shared)
+        return logits
+    if mma is None and router_blocks_wanted(num_tokens):  # a block per expert (see ROUTER_BLOCKS_ENV)
+        launch_decode("moe_routing.cu", "moe_router_logits_blocks", (spec.num_experts,), (router_blocks_threads(hidden),),
+                      (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits))
         return logits
     kernel("moe.cu", "moe_router_logits")(
         (num_tokens, -(-spec.num_experts // ROUTER_WARPS)), (ROUTER_WARPS * 32,),
@@ -750,10 +826,11 @@ def layout_gemv(weight: ExpertLinear, name: str | None, gemv_kernel: str | None 
     return name
 
 
-def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, name: str) -> None:
+def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, name: str,
+                 tables_ready: bool = False) -> None:
     """GEMV kernel ``name`` (moe_gemv / moe_gemv_wide / moe_gemv_mma) over ``grid_rows`` tiles
     (grouped) or ``dense_rows`` rows (dense mode: ``grid_rows`` 0). ``args``: the kernels' shared
-    argument list."""
+    argument list; ``tables_ready``: see ``grouped_gemm``."""
     if name == "moe_gemv":
         rows_grid = grid_rows or -(-dense_rows // GEMV_ROWS)
         weight._kernel("moe_gemv")((-(-weight.out_features // GEMV_WARPS), rows_grid), (GEMV_WARPS * 32,), args)
@@ -762,8 +839,12 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
     if name in GROUPS_GEMVS:
         if weight.layout == "lane_groups":
             columns = MMA_GEMV_WARPS // defines.get("GROUPS_KSPLIT", 1) * MMA_GEMV_COLUMNS  # moe_int4.cu GROUPS_WARPS x 16
-            kernel("moe_int4.cu", "moe_gemv_int4_groups", **defines)(
-                (-(-weight.out_features // columns), grid_rows or 1), (MMA_GEMV_WARPS * 32,), args)
+            column_blocks = -(-weight.out_features // columns)
+            row_blocks = int4_row_blocks(column_blocks, grid_rows or 1, defines.get("GROUPS_MIN_BLOCKS", 4))
+            if row_blocks > 1:
+                defines = {**defines, "GROUPS_ROW_BLOCKS": row_blocks}
+            launch_decode("moe_int4.cu", "moe_gemv_int4_groups", (-(-column_blocks // row_blocks), grid_rows or 1),
+                          (MMA_GEMV_WARPS * 32,), args, pdl_mode=2 if tables_ready else 1, **defines)
             return
         defines = {"MMA_GEMV_NTILES": 2}  # other layouts: moe_gemv_mma
         name = "mma"
@@ -827,7 +908,7 @@ def _grouped_by_blas(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrou
 def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
                  gemv: bool | None = None, *, gemv_kernel: str | None = None, blas=None,
                  pipelined: str | None = None, pipe_shape: str | None = None, sm90: bool | None = None,
-                 overlap_previous: bool = False) -> cupy.ndarray:
+                 overlap_previous: bool = False, tables_ready: bool = False) -> cupy.ndarray:
     """Rows in expert order: ``out[p] = A[row(p)] · W_e(p)^T`` with ``row(p)`` the token of slot p
     (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16. ``gemv``: force (True) or forbid
     (False) the decode GEMV; None lets ``choose_gemv`` decide by the slots per expert.
@@ -840,7 +921,9 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     ``sm90``: force (True; the caller checks ``sm90_ready``) or forbid the Hopper kernel (moe_sm90.py);
     None takes it where ``sm90_experts`` says (OPENINFER_MOE_SM90, bf16 experts above
     SM90_ABOVE_ROWS_PER_EXPERT slots per expert) unless the caller picked a path (``gemv``,
-    ``gemv_kernel``, ``pipelined``) or a GEMV is forced; ``overlap_previous``: see ``grouped_gemm_sm90``."""
+    ``gemv_kernel``, ``pipelined``) or a GEMV is forced; ``overlap_previous``: see ``grouped_gemm_sm90``.
+    ``tables_ready``: the grouping was written before the stream's previous kernel (the down projection after
+    gate_up): with OPENINFER_DECODE_PDL the lane-groups GEMV may read it and the weights before it waits."""
     num_slots = int(grouping.sorted_slots.size)
     a = cupy.ascontiguousarray(a)
     if sm90 is None:
@@ -871,7 +954,7 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
         _launch_pipelined(weight, grouping.max_tiles, head[:4] + tables, False, pipe_shape or pipe_shape_for(per_expert))
         return out
     if name is not None and weight.gemv_ready(a):
-        _launch_gemv(weight, head + tables, grouping.max_tiles, 0, name)
+        _launch_gemv(weight, head + tables, grouping.max_tiles, 0, name, tables_ready)
         return out
     grid = (grouping.max_tiles, -(-weight.out_features // TILE_N))
     weight._kernel()(grid, (GEMM_THREADS,), head + tables + (np.int32(_vectorised(a, weight)),))
@@ -1255,6 +1338,21 @@ def _side_stream() -> tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]:
     return _side_streams[device]
 
 
+# OPENINFER_MOE_SHARED_AFTER_ROUTE=1 (opt-in until measured): where the shared experts run on the side stream
+# (shared_overlap), fork it after the routing's launches instead of before, so the router and the top-k do not
+# wait for SMs the shared experts' GEMVs hold (Kimi-K2 layer at batch 1, D1 of s12: moe_router_logits 19.1 us and
+# moe_route_sort 15.0 us beside the shared gate_up / down GEMVs, where alone the pair takes ~9 + ~13); the
+# shared experts then share the bandwidth with the routed GEMVs. The same bits.
+SHARED_AFTER_ROUTE_ENV = "OPENINFER_MOE_SHARED_AFTER_ROUTE"
+DEFAULT_SHARED_AFTER_ROUTE = False
+
+
+def shared_after_route(tokens: int) -> bool:
+    """Whether moe_forward forks the shared experts after the routing (see SHARED_AFTER_ROUTE_ENV): the switch
+    (1 / 0, unset: the default; another value: a clear error) where the step overlaps them at all."""
+    return _switch(SHARED_AFTER_ROUTE_ENV, default=DEFAULT_SHARED_AFTER_ROUTE) and 0 < tokens and shared_overlap(tokens)
+
+
 def start_shared_experts(x: cupy.ndarray, shared_experts) -> tuple[cupy.ndarray, cupy.cuda.Event | None]:
     """``shared_experts(x)`` (a callable) and the event the combine must wait for: run on the side
     stream when ``shared_overlap`` (event returned), else here (None)."""
@@ -1282,13 +1380,17 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     if layer.shared_experts and (shared is not None or shared_experts is not None):
         raise ValueError("this MoE layer's shared experts are fused into its expert stacks (fuse_shared_experts): "
                          "pass neither shared nor shared_experts")
-    shared, joined = start_shared_experts(x, shared_experts) if shared_experts is not None else (shared, None)
+    route_first = shared_experts is not None and shared_after_route(int(x.shape[0]))
+    if not route_first:
+        shared, joined = start_shared_experts(x, shared_experts) if shared_experts is not None else (shared, None)
     grouping = route_and_group(x, layer) if route_sort_wanted(
         int(x.shape[0]), layer.router, layer.tid2eid, layer.shared_experts) else None
     if grouping is None:
         ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid,
                              layer.shared_experts)
         grouping = group_by_expert(ids, weights, layer.router.num_experts + layer.shared_experts)
+    if route_first:  # the side stream forks here: the routing had the SMs to itself (SHARED_AFTER_ROUTE_ENV)
+        shared, joined = start_shared_experts(x, shared_experts)
     with rotated_units(layer.shared_experts if l2_prefetch_mode() != "off" else 0):
         y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
     if joined is not None:  # the shared experts' side stream
@@ -1425,8 +1527,8 @@ def gate_up_silu_gemv(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGr
             raise ValueError(f"the decode GEMV {name!r} reads lane-groups INT4 weights; this gate_up's layout is "
                              f"{gate_up.layout!r}")
         columns = MMA_GEMV_WARPS // defines.get("GROUPS_KSPLIT", 1) * 8
-        kernel("moe_int4.cu", "moe_gemv_int4_groups", **defines, GROUPS_FUSE_SILU=1)(
-            (-(-inter // columns), grouping.max_tiles), (MMA_GEMV_WARPS * 32,), args)
+        launch_decode("moe_int4.cu", "moe_gemv_int4_groups", (-(-inter // columns), grouping.max_tiles),
+                      (MMA_GEMV_WARPS * 32,), args, **defines, GROUPS_FUSE_SILU=1)
     elif name in TILED_GEMVS:
         columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
         gate_up._kernel("moe_gemv_int4_tiled", **{**defines, "TILED_ROW_BLOCKS": 1, "TILED_FUSE_SILU": 1})(
@@ -1458,4 +1560,5 @@ def routed_experts(backend, x: cupy.ndarray, gate_up: ExpertLinear, down: Expert
         activated = backend.silu_mul(grouped_gemm(x, gate_up, grouping, gather=True, blas=backend.blas))
     # after the Hopper gate_up (launched once the grouping completed) down may overlap its last wave
     # (OPENINFER_MOE_SM90_PDL)
-    return grouped_gemm(activated, down, grouping, gather=False, blas=backend.blas, overlap_previous=sm90_gate_up)
+    return grouped_gemm(activated, down, grouping, gather=False, blas=backend.blas, overlap_previous=sm90_gate_up,
+                        tables_ready=True)

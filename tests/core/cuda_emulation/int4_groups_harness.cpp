@@ -40,11 +40,14 @@ int main(int argc, char** argv) {
     const int out_columns = N, warp_columns = GROUPS_WARPS / GROUPS_KSPLIT * 16;
 #endif
     (void)groups_columns;
-    launch((out_columns + warp_columns - 1) / warp_columns, max_tiles, 1, GROUPS_WARPS * 32, [&] {
+    // GROUPS_ROW_BLOCKS column blocks per block: the grid that many times narrower
+    const unsigned column_blocks = (out_columns + warp_columns - 1) / warp_columns;
+    const unsigned grid_x = (column_blocks + GROUPS_ROW_BLOCKS - 1) / GROUPS_ROW_BLOCKS;
+    launch(grid_x, max_tiles, 1, GROUPS_WARPS * 32, [&] {
         moe_gemv_int4_groups(x.data(), sorted.data(), k, w.data(), s.data(), tile_expert.data(), tile_row.data(),
                              num_tiles.data(), offsets.data(), 0, groups.data(), N, K);
     });
-    launch((out_columns + warp_columns - 1) / warp_columns, 1, 1, GROUPS_WARPS * 32, [&] {
+    launch(grid_x, 1, 1, GROUPS_WARPS * 32, [&] {
         moe_gemv_int4_groups(x.data(), nullptr, 1, w.data(), s.data(), nullptr, nullptr, nullptr, nullptr, T,
                              dense_groups.data(), N, K);
     });
