@@ -174,16 +174,32 @@ def tma_blocks_per_sm_of(spec: MLASpec) -> int:
     return tma_blocks_per_sm(tma_decode_smem(spec, *tma_tile(), tma_one_barrier()))
 
 
+# Opt-in until measured ($OPENINFER_MLA_PDL_EARLY_TILES=1, with $OPENINFER_MLA_PDL): the PDL build copies the first
+# tiles that lie wholly before the sequence's first new position of the step (rows earlier steps wrote) before its
+# griddepcontrol.wait (mla_decode_sm90.cu MLA_PDL_EARLY_TILES), so the key stream overlaps the kernel before it (the
+# latent write or W_UK). The same bits.
+EARLY_TILES_ENV = "OPENINFER_MLA_PDL_EARLY_TILES"
+
+
+def early_tiles() -> bool:
+    """$OPENINFER_MLA_PDL_EARLY_TILES (0 / 1; unset: 0; another value: a clear error)."""
+    text = os.environ.get(EARLY_TILES_ENV) or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"{EARLY_TILES_ENV} is 0 or 1; got {text!r}")
+    return text == "1"
+
+
 def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False) -> tuple[object, int]:
     """The compiled kernel for the current tile choice and ``cluster`` (tma_cluster), and its shared memory;
-    ``pdl``: built with MLA_PDL (core's $OPENINFER_MLA_PDL, programmatic dependent launch)."""
+    ``pdl``: built with MLA_PDL (core's $OPENINFER_MLA_PDL, programmatic dependent launch), and with
+    MLA_PDL_EARLY_TILES where ``early_tiles``."""
     keys, stages = tma_tile()
     one_barrier = tma_one_barrier()
     smem = tma_decode_smem(spec, keys, stages, one_barrier)
     attention = arch_kernel("mla_decode_sm90.cu", "mla_attention_tma", "sm_90a", smem, KV_LORA=spec.kv_lora_rank,
                             ROPE_DIM=spec.qk_rope_dim, TMA_KEYS=keys, TMA_STAGES=stages, TMA_CLUSTER=cluster,
                             TMA_ONE_BARRIER=int(one_barrier), TMA_ROW_BOXES=int(tma_row_boxes()),
-                            **({"MLA_PDL": 1} if pdl else {}))
+                            **({"MLA_PDL": 1, **({"MLA_PDL_EARLY_TILES": 1} if early_tiles() else {})} if pdl else {}))
     ptr = getattr(attention, "ptr", None)  # None: a discover_kernels stand-in
     if cluster > 8 and ptr is not None and ptr not in _non_portable_allowed:
         cupy.cuda.driver.funcSetAttribute(ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
