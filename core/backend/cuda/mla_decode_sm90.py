@@ -41,6 +41,9 @@ REGISTER_BLOCKS_PER_SM = 2  # 157-198 registers x 128 threads (ptxas, every tile
 # (16 is a non-portable cluster size: the kernel is allowed it at load).
 TMA_CLUSTER_ENV = "OPENINFER_MLA_TMA_CLUSTER"
 TMA_CLUSTER_CHOICES = (16, 8, 4, 2)
+# The largest cluster where $OPENINFER_MLA_TMA_CLUSTER is unset, by the step's absorbed rows: the first (most rows,
+# cluster) entry whose bound holds; none (or past the last): off.
+TMA_CLUSTER_BY_ROWS: tuple[tuple[int, int], ...] = ()
 _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute (cuda.h)
 _non_portable_allowed: set[int] = set()
 # $OPENINFER_MLA_TMA_BALANCE=1 (default since s8 E1) balances the splits over a ragged batch (mla_decode_sm90.cu's
@@ -73,10 +76,12 @@ def tma_tile() -> tuple[int, int]:
     return int(keys), int(stages)
 
 
-def tma_cluster(spec: MLASpec, splits: int) -> int:
-    """CTAs per cluster for a step whose resident split count is ``splits`` (1: no cluster, the partials go to
-    the combine kernel); the ring must hold a CTA's fp32 partial output of 16 heads. Row count only (graph-safe)."""
-    text = os.environ.get(TMA_CLUSTER_ENV) or "0"
+def tma_cluster(spec: MLASpec, splits: int, rows: int | None = None) -> int:
+    """CTAs per cluster for a step of ``rows`` absorbed rows whose resident split count is ``splits`` (1: no cluster,
+    the partials go to the combine kernel): $OPENINFER_MLA_TMA_CLUSTER, unset TMA_CLUSTER_BY_ROWS (``rows`` None: off);
+    the ring must hold a CTA's fp32 partial output of 16 heads. Row count only (graph-safe)."""
+    default = next((c for most, c in TMA_CLUSTER_BY_ROWS if rows <= most), 0) if rows is not None else 0
+    text = os.environ.get(TMA_CLUSTER_ENV) or str(default)
     if text not in ("0", "1", *map(str, TMA_CLUSTER_CHOICES)):
         raise ValueError(f"{TMA_CLUSTER_ENV} is 0 (off) or the largest cluster, one of {TMA_CLUSTER_CHOICES}; "
                          f"got {text!r}")
