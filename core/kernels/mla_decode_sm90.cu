@@ -166,6 +166,9 @@ __device__ __forceinline__ unsigned key_pair_mask(int key, int end) {
 
 // grid (T, ceil(num_heads / 16), num_splits), TMA_THREADS threads, TMA_SMEM bytes of dynamic shared memory.
 // Arguments as mla_attention_mma_shared's, then the cache's tensor map (cache_map).
+#ifndef MLA_PDL_EARLY_TILES
+#define MLA_PDL_EARLY_TILES 0  // 1 (OPENINFER_MLA_PDL_EARLY_TILES, with MLA_PDL): see mla_pdl_enter's call below
+#endif
 extern "C" __global__ void TMA_CLUSTER_ATTRIBUTE __launch_bounds__(TMA_THREADS)
 mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q, int q_stride, int q_pe_offset,
                   const bf16* __restrict__ cache, const int* __restrict__ block_tables, int max_blocks_per_seq,
@@ -217,7 +220,22 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         mbar_init_fence();
     }
     // MLA_PDL: the set-up above overlaps the previous kernel; the queries, the new latent rows (the first tiles'
-    // copies) and every global write come after it
+    // copies) and every global write come after it. With MLA_PDL_EARLY_TILES the first tiles wholly before this
+    // step's first new position of the sequence (cache rows earlier steps wrote; the previous kernels write only the
+    // step's own rows) are copied before the wait: the key stream starts while the latent write still runs.
+    int early_tiles = 0;
+#if MLA_PDL && MLA_PDL_EARLY_TILES
+    if (threadIdx.x == 0 && num_tiles > 0) {
+        const int seq = (int)((table - block_tables) / max_blocks_per_seq);
+        const int first_new = positions[query_start[seq]];  // the sequence's first token in this step
+        for (; early_tiles < TMA_STAGES && early_tiles < num_tiles &&
+               begin + (early_tiles + 1) * TMA_KEYS <= first_new; ++early_tiles) {
+            int rows[TMA_KEYS / TMA_BOX_ROWS];
+            tile_rows(rows, table, block_size, begin + early_tiles * TMA_KEYS, end);
+            issue_tile(base + early_tiles * TILE_BYTES, bars + 8 * early_tiles, rows, &cache_map);
+        }
+    }
+#endif
     mla_pdl_enter();
     if (TMA_CLUSTER == 1 && begin >= end) {  // a split past a short context (num_splits > 1): its (max, sum) say empty
         for (int h = threadIdx.x; h < heads; h += TMA_THREADS) {
@@ -228,7 +246,7 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         return;  // block-uniform
     }
     if (threadIdx.x == 0 && num_tiles > 0) {
-        for (int i = 0; i < TMA_STAGES && i < num_tiles; ++i) {
+        for (int i = early_tiles; i < TMA_STAGES && i < num_tiles; ++i) {
             int rows[TMA_KEYS / TMA_BOX_ROWS];
             tile_rows(rows, table, block_size, begin + i * TMA_KEYS, end);
             issue_tile(base + i * TILE_BYTES, bars + 8 * i, rows, &cache_map);

@@ -144,6 +144,28 @@ __device__ __forceinline__ int sm90_expert_at(int j, int num_experts) {
 #endif
 }
 
+// SM90_L2_AHEAD=P (OPENINFER_MOE_SM90_L2_AHEAD; single CTAs, whole units): while issuing the weight boxes of its
+// k-tile s, the producer's thread 0 also asks L2 for those of its k-tile s + P (the next unit's once s + P passes
+// this one: the work order is known from the offsets), so the HBM reads run up to P stages ahead of the shared-memory
+// ring (whose refills wait for the consumers' releases) and a unit's first stages are already on their way when it
+// starts. A hint: the numbers never change.
+#ifndef SM90_L2_AHEAD
+#define SM90_L2_AHEAD 0
+#endif
+#if SM90_L2_AHEAD && (SM90_MULTICAST || SM90_STREAM_K)
+#error "SM90_L2_AHEAD is built for single CTAs over whole units"
+#endif
+// SM90_B_FIRST=1 (OPENINFER_MOE_SM90_B_FIRST): each k-tile's weight boxes are issued before its gathered A rows (whose
+// addresses wait on the unit's sorted-slot loads at a unit's start), not after. The same numbers.
+#ifndef SM90_B_FIRST
+#define SM90_B_FIRST 0
+#endif
+
+__device__ __forceinline__ void tma_prefetch_l2_3d(const void* map, int x, int y, int z) {
+    asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n"
+                 ::"l"(map), "r"(x), "r"(y), "r"(z) : "memory");
+}
+
 struct ExpertTile {
     int expert, row_begin, rows, column;  // rows: the CTA's slots (<= 0: none); column: first output column
 };
@@ -336,6 +358,53 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                 if (step >= SM90_STAGES) mbar_wait(bar_empty + 8 * stage, ((step / SM90_STAGES) - 1) & 1);
                 const u32 a_smem = base + stage * SM90_STAGE_BYTES, b_smem = a_smem + SM90_A_BYTES;
                 const u32 full = bar_full + 8 * stage;
+                // this k-tile's weight boxes (thread 0; under SM90_PDL=1 the first stages went out before the wait)
+                auto issue_weights = [&]() {
+#if SM90_PDL == 1
+                    if (t != 0 || step < prefetched) return;
+#else
+                    if (t != 0) return;
+#endif
+                    mbar_arrive_expect_bytes(full, SM90_B_BYTES);  // both boxes land here (SM90_MULTICAST: one from each CTA)
+#if SM90_MULTICAST
+                    tma_load_3d_multicast(b_smem + rank * SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0,
+                                          rank ? second_row : first_row, full, 3);
+#elif SM90_K_SUB == 1
+                    tma_load_3d(b_smem, &weight_map, kt * SM90_TILE_K, 0, first_row, full);
+                    tma_load_3d(b_smem + SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0, second_row, full);
+#else
+#pragma unroll
+                    for (int sub = 0; sub < SM90_K_SUB; ++sub) {
+                        const int k0 = kt * SM90_STAGE_K + sub * SM90_TILE_K;
+                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES, &weight_map, k0, 0, first_row, full);
+                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES + SM90_BOX_ROWS * 128, &weight_map, k0, 0, second_row, full);
+                    }
+#endif
+                };
+#if SM90_L2_AHEAD
+                if (t == 0) {  // k-tile step + P of this CTA's work (whole units of k_tiles each), if any
+                    const int ahead = step + SM90_L2_AHEAD;
+                    const int ahead_unit = unit0 + (ahead / k_tiles) * units_stride, ahead_kt = ahead % k_tiles;
+                    if (ahead_unit < num_tiles) {
+                        const ExpertTile v = expert_tile(ahead_unit, n_tiles, tile_start, expert_offsets, num_experts, rank);
+                        const int row = v.expert * N + v.column;
+#if SM90_FUSE_SILU
+                        const int row2 = row + N / 2;
+#else
+                        const int row2 = row + SM90_BOX_ROWS;
+#endif
+#pragma unroll
+                        for (int sub = 0; sub < SM90_K_SUB; ++sub) {
+                            const int k0 = ahead_kt * SM90_STAGE_K + sub * SM90_TILE_K;
+                            tma_prefetch_l2_3d(&weight_map, k0, 0, row);
+                            tma_prefetch_l2_3d(&weight_map, k0, 0, row2);
+                        }
+                    }
+                }
+#endif
+#if SM90_B_FIRST
+                issue_weights();
+#endif
 #if SM90_K_SUB == 1
                 const int k = kt * SM90_TILE_K + chunk * 8;
 #pragma unroll
@@ -356,27 +425,9 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                 }
 #endif
                 mbar_arrive_on_copies(full);
-#if SM90_PDL == 1
-                if (t == 0 && step >= prefetched) {
-#else
-                if (t == 0) {
+#if !SM90_B_FIRST
+                issue_weights();
 #endif
-                    mbar_arrive_expect_bytes(full, SM90_B_BYTES);  // both boxes land here (SM90_MULTICAST: one from each CTA)
-#if SM90_MULTICAST
-                    tma_load_3d_multicast(b_smem + rank * SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0,
-                                          rank ? second_row : first_row, full, 3);
-#elif SM90_K_SUB == 1
-                    tma_load_3d(b_smem, &weight_map, kt * SM90_TILE_K, 0, first_row, full);
-                    tma_load_3d(b_smem + SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0, second_row, full);
-#else
-#pragma unroll
-                    for (int sub = 0; sub < SM90_K_SUB; ++sub) {
-                        const int k0 = kt * SM90_STAGE_K + sub * SM90_TILE_K;
-                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES, &weight_map, k0, 0, first_row, full);
-                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES + SM90_BOX_ROWS * 128, &weight_map, k0, 0, second_row, full);
-                    }
-#endif
-                }
             }
         }
         cp_async_wait_all();

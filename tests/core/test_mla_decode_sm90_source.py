@@ -70,3 +70,24 @@ def test_mla_decode_kernels_build_with_pdl(source, arch, tmp_path):
     # mla.cu: the latent write (and its q-gathering form), write + W_UK, W_UV, the four combines and three attention
     # kernels
     assert counts[1] == ((11, 11) if source == "mla.cu" else (1, 1)), counts
+
+
+def test_tma_decode_builds_with_early_tiles(tmp_path):
+    """MLA_PDL_EARLY_TILES=1 (with MLA_PDL=1; core's $OPENINFER_MLA_PDL_EARLY_TILES): the TMA decode kernel builds for
+    sm_90a without spills, still one griddepcontrol.wait, and issues TMA copies on both sides of it."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    ptx = tmp_path / "out.ptx"
+    common = [nvcc, "-arch=sm_90a", "-std=c++17", f"-I{KERNEL_DIR}", "-DKV_LORA=512", "-DROPE_DIM=64", "-DTMA_ROW_BOXES=1",
+              "-DMLA_PDL=1", "-DMLA_PDL_EARLY_TILES=1", str(KERNEL_DIR / "mla_decode_sm90.cu")]
+    result = subprocess.run([*common, "-ptx", "-o", str(ptx)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    text = ptx.read_text()
+    assert text.count("griddepcontrol.wait") == 1
+    wait = text.index("griddepcontrol.wait")
+    assert "cp.async.bulk.tensor" in text[:wait] and "cp.async.bulk.tensor" in text[wait:]
+    result = subprocess.run([*common, "-Xptxas", "-v", "-cubin", "-o", str(tmp_path / "out.cubin")], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "0 bytes spill stores" in result.stderr

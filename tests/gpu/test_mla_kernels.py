@@ -714,3 +714,34 @@ def test_gather_q_equals_copy_then_write(cuda_backend, rng, monkeypatch, heads, 
     monkeypatch.setenv(cuda_mla.GATHER_Q_ENV, "on")
     with pytest.raises(ValueError, match="OPENINFER_MLA_GATHER_Q"):
         cuda_mla.gather_q_fits(fused[:, :width], spec)
+
+
+@pytest.mark.parametrize("decodes", ["ragged", "one-long", "sixteen", "sixty-four", "chunks"])
+@pytest.mark.parametrize("chain", ["cublas", "fused"])
+def test_pdl_early_tiles_bit_equal_to_plain_launches(cuda_backend, rng, monkeypatch, decodes, chain):
+    """$OPENINFER_MLA_PDL_EARLY_TILES=1 with $OPENINFER_MLA_PDL=1: the TMA decode kernel copies the tiles wholly before
+    each sequence's new row before its griddepcontrol.wait; the plain launches' bits, eager on a stream and as a
+    replayed CUDA graph (the new rows are written by the kernels before it in the same step); a bad value is a clear
+    error."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "1" if chain == "fused" else "0")
+    monkeypatch.setenv(cuda_mla.EXPAND_SMALL_ENV, "1" if chain == "fused" else "0")
+    spec = _spec(16)
+    # "chunks": several new rows per sequence (short chunks stay absorbed), the early tiles end before the first
+    cached, new = ([40, 100, 33, 64], [3, 5, 2, 1]) if decodes == "chunks" else _decode_rows(decodes)
+    step = ragged_mla_step(rng, spec, cached, new, BLOCK_SIZE)
+    device_cache = cuda_backend.upload(step[1]).reshape(step[1].shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    monkeypatch.setenv(cuda_mla.PDL_ENV, "0")
+    plain = _stream_forward(cuda_backend, spec, step, device_cache, "tma", graph=False)
+    assert relative_error(plain, step[7]) < BF16_TOL
+    monkeypatch.setenv(cuda_mla.PDL_ENV, "1")
+    monkeypatch.setenv(mla_decode_sm90.EARLY_TILES_ENV, "1")
+    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, "tma", graph=False), plain)
+    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, "tma", graph=True), plain)
+    monkeypatch.setenv(mla_decode_sm90.EARLY_TILES_ENV, "2")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_PDL_EARLY_TILES"):
+        mla_decode_sm90.early_tiles()

@@ -776,3 +776,47 @@ def test_gate_up_and_combine_pdl_equal_plain(cuda_backend, sm90_moe, rng, monkey
     monkeypatch.setenv(moe.COMBINE_PDL_ENV, "sometimes")
     with pytest.raises(ValueError, match="OPENINFER_MOE_COMBINE_PDL"):
         moe.combine_pdl_wanted()
+
+
+@pytest.mark.parametrize("ahead,weights_first", [("4", "0"), ("8", "0"), ("0", "1"), ("6", "1")])
+@pytest.mark.parametrize("tokens", [16, 64, 300])
+def test_sm90_l2_ahead_and_b_first_equal_plain(cuda_backend, cuda_moe, sm90_moe, rng, monkeypatch, ahead,
+                                               weights_first, tokens):
+    """OPENINFER_MOE_SM90_L2_AHEAD (the producer's L2 look-ahead over its k-tiles, across its units) and
+    OPENINFER_MOE_SM90_B_FIRST (weight boxes before the gathered A rows): the plain builds' bits for gate_up + down
+    (the decode shape at 16 / 64 tokens, the base shape at 300), with the shared experts fused and rotated first,
+    on a stream of its own eagerly and as a CUDA graph replay; bad values are clear errors."""
+    moe, moe_sm90 = cuda_moe, sm90_moe
+    hidden, inter = 512, 128
+    _, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    ids, weights = moe.route(x, fused.gate, fused.router, fused.correction_bias, shared_experts=fused.shared_experts)
+    grouping = moe.group_by_expert(ids, weights, fused.gate_up.num_experts)
+    assert moe.sm90_routed(x, fused.gate_up, grouping)
+
+    def run():
+        with moe_sm90.rotated_units(fused.shared_experts):
+            return moe.routed_experts(cuda_backend, x, fused.gate_up, fused.down, grouping)
+
+    plain = run().get()
+    monkeypatch.setenv(moe_sm90.L2_AHEAD_ENV, ahead)
+    monkeypatch.setenv(moe_sm90.B_FIRST_ENV, weights_first)
+    assert np.array_equal(run().get(), plain)
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        assert np.array_equal(run().get(), plain)
+        stream.begin_capture()
+        try:
+            out = run()
+        finally:
+            graph = stream.end_capture()
+        out[...] = 0
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(out.get(), plain)
+    monkeypatch.setenv(moe_sm90.L2_AHEAD_ENV, "lots")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_L2_AHEAD"):
+        moe_sm90.l2_ahead()
+    monkeypatch.setenv(moe_sm90.B_FIRST_ENV, "2")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_B_FIRST"):
+        moe_sm90.b_first()

@@ -622,7 +622,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     elif name == "tma":
         blocks_per_sm = mla_decode_sm90.tma_blocks_per_sm_of(spec)
         splits = resident_splits(num_tokens, head_chunks, num_sms, blocks_per_sm)
-        cluster = mla_decode_sm90.tma_cluster(spec, splits)
+        cluster = mla_decode_sm90.tma_cluster(spec, splits, num_tokens)
         balance_slots = 0
         if cluster > 1:
             splits = cluster  # a cluster's splits combine on chip into o_latent

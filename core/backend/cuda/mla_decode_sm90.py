@@ -41,6 +41,9 @@ REGISTER_BLOCKS_PER_SM = 2  # 157-198 registers x 128 threads (ptxas, every tile
 # (16 is a non-portable cluster size: the kernel is allowed it at load).
 TMA_CLUSTER_ENV = "OPENINFER_MLA_TMA_CLUSTER"
 TMA_CLUSTER_CHOICES = (16, 8, 4, 2)
+# The largest cluster where $OPENINFER_MLA_TMA_CLUSTER is unset, by the step's absorbed rows: the first (most rows,
+# cluster) entry whose bound holds; none (or past the last): off.
+TMA_CLUSTER_BY_ROWS: tuple[tuple[int, int], ...] = ()
 _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute (cuda.h)
 _non_portable_allowed: set[int] = set()
 # $OPENINFER_MLA_TMA_BALANCE=1 (default since s8 E1) balances the splits over a ragged batch (mla_decode_sm90.cu's
@@ -73,10 +76,12 @@ def tma_tile() -> tuple[int, int]:
     return int(keys), int(stages)
 
 
-def tma_cluster(spec: MLASpec, splits: int) -> int:
-    """CTAs per cluster for a step whose resident split count is ``splits`` (1: no cluster, the partials go to
-    the combine kernel); the ring must hold a CTA's fp32 partial output of 16 heads. Row count only (graph-safe)."""
-    text = os.environ.get(TMA_CLUSTER_ENV) or "0"
+def tma_cluster(spec: MLASpec, splits: int, rows: int | None = None) -> int:
+    """CTAs per cluster for a step of ``rows`` absorbed rows whose resident split count is ``splits`` (1: no cluster,
+    the partials go to the combine kernel): $OPENINFER_MLA_TMA_CLUSTER, unset TMA_CLUSTER_BY_ROWS (``rows`` None: off);
+    the ring must hold a CTA's fp32 partial output of 16 heads. Row count only (graph-safe)."""
+    default = next((c for most, c in TMA_CLUSTER_BY_ROWS if rows <= most), 0) if rows is not None else 0
+    text = os.environ.get(TMA_CLUSTER_ENV) or str(default)
     if text not in ("0", "1", *map(str, TMA_CLUSTER_CHOICES)):
         raise ValueError(f"{TMA_CLUSTER_ENV} is 0 (off) or the largest cluster, one of {TMA_CLUSTER_CHOICES}; "
                          f"got {text!r}")
@@ -174,16 +179,32 @@ def tma_blocks_per_sm_of(spec: MLASpec) -> int:
     return tma_blocks_per_sm(tma_decode_smem(spec, *tma_tile(), tma_one_barrier()))
 
 
+# Opt-in until measured ($OPENINFER_MLA_PDL_EARLY_TILES=1, with $OPENINFER_MLA_PDL): the PDL build copies the first
+# tiles that lie wholly before the sequence's first new position of the step (rows earlier steps wrote) before its
+# griddepcontrol.wait (mla_decode_sm90.cu MLA_PDL_EARLY_TILES), so the key stream overlaps the kernel before it (the
+# latent write or W_UK). The same bits.
+EARLY_TILES_ENV = "OPENINFER_MLA_PDL_EARLY_TILES"
+
+
+def early_tiles() -> bool:
+    """$OPENINFER_MLA_PDL_EARLY_TILES (0 / 1; unset: 0; another value: a clear error)."""
+    text = os.environ.get(EARLY_TILES_ENV) or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"{EARLY_TILES_ENV} is 0 or 1; got {text!r}")
+    return text == "1"
+
+
 def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False) -> tuple[object, int]:
     """The compiled kernel for the current tile choice and ``cluster`` (tma_cluster), and its shared memory;
-    ``pdl``: built with MLA_PDL (core's $OPENINFER_MLA_PDL, programmatic dependent launch)."""
+    ``pdl``: built with MLA_PDL (core's $OPENINFER_MLA_PDL, programmatic dependent launch), and with
+    MLA_PDL_EARLY_TILES where ``early_tiles``."""
     keys, stages = tma_tile()
     one_barrier = tma_one_barrier()
     smem = tma_decode_smem(spec, keys, stages, one_barrier)
     attention = arch_kernel("mla_decode_sm90.cu", "mla_attention_tma", "sm_90a", smem, KV_LORA=spec.kv_lora_rank,
                             ROPE_DIM=spec.qk_rope_dim, TMA_KEYS=keys, TMA_STAGES=stages, TMA_CLUSTER=cluster,
                             TMA_ONE_BARRIER=int(one_barrier), TMA_ROW_BOXES=int(tma_row_boxes()),
-                            **({"MLA_PDL": 1} if pdl else {}))
+                            **({"MLA_PDL": 1, **({"MLA_PDL_EARLY_TILES": 1} if early_tiles() else {})} if pdl else {}))
     ptr = getattr(attention, "ptr", None)  # None: a discover_kernels stand-in
     if cluster > 8 and ptr is not None and ptr not in _non_portable_allowed:
         cupy.cuda.driver.funcSetAttribute(ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)

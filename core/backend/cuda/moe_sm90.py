@@ -158,6 +158,32 @@ def gate_up_pdl() -> bool:
     return DEFAULT_GATE_UP_PDL if value == "" else value in ("1", "true", "on")
 
 
+# Opt-in until measured: OPENINFER_MOE_SM90_L2_AHEAD=P (k-tiles; 0 / unset: off) has the producer also ask L2 for
+# the weight boxes P k-tiles ahead of the ones it copies (moe_sm90.cu SM90_L2_AHEAD), past the shared-memory ring;
+# OPENINFER_MOE_SM90_B_FIRST=1 issues each k-tile's weight boxes before its gathered A rows. s12 D1 (H200, Moonlight
+# decode graphs, CUPTI): at 16 tokens gate_up + down run ~234 us a layer for ~913 MB of expert weights, ~3.9 TB/s,
+# where a plain read stream reaches 4.47 TB/s (benchmarks/gpu_step_timeline.py --read-ceilings, the same 256-byte row
+# runs 4.46). Single-CTA, whole-unit builds only (no multicast, no stream-K); the same bits.
+L2_AHEAD_ENV, B_FIRST_ENV = "OPENINFER_MOE_SM90_L2_AHEAD", "OPENINFER_MOE_SM90_B_FIRST"
+L2_AHEAD_MAX = 32
+
+
+def l2_ahead() -> int:
+    """$OPENINFER_MOE_SM90_L2_AHEAD: k-tiles of L2 look-ahead, 0..L2_AHEAD_MAX (unset: 0; else a clear error)."""
+    text = os.environ.get(L2_AHEAD_ENV) or "0"
+    if not text.isdigit() or int(text) > L2_AHEAD_MAX:
+        raise ValueError(f"{L2_AHEAD_ENV} is a number of k-tiles from 0 to {L2_AHEAD_MAX}; got {text!r}")
+    return int(text)
+
+
+def b_first() -> bool:
+    """$OPENINFER_MOE_SM90_B_FIRST (1 / 0; unset: 0; another value: a clear error)."""
+    text = os.environ.get(B_FIRST_ENV) or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"{B_FIRST_ENV} is 0 or 1; got {text!r}")
+    return text == "1"
+
+
 def sm90_pdl() -> bool:
     """$OPENINFER_MOE_SM90_PDL ("1"/"on" or "0"/"off"; unset: DEFAULT_SM90_PDL)."""
     value = os.environ.get(SM90_PDL_ENV, "").lower()
@@ -297,9 +323,11 @@ def rotated_units(last_experts: int):
         _rotate_units = before
 
 
-def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl: int = 0, rotate: int = 0):
+def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl: int = 0, rotate: int = 0,
+                ahead: int = 0, weights_first: bool = False):
     """The moe_grouped_gemm_sm90 build for ``tiles`` (arch_kernel: compiled once; a dry run records it); ``pdl``
-    (moe_sm90.cu SM90_PDL): 0 none, 1 (or True) weights before the wait, 2 the wait first."""
+    (moe_sm90.cu SM90_PDL): 0 none, 1 (or True) weights before the wait, 2 the wait first; ``ahead``: SM90_L2_AHEAD;
+    ``weights_first``: SM90_B_FIRST."""
     # the default build keeps its define set as before the shapes existed
     extra = {} if tiles == SM90_SHAPES["base"] else {
         "SM90_TILE_M": tiles.tile_m, "SM90_TILE_N": tiles.tile_n, "SM90_SKIP_EMPTY": int(tiles.skip_empty),
@@ -312,6 +340,12 @@ def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl:
         raise ValueError(f"moe_sm90's SM90_PDL build is 0, 1 or 2, got {pdl!r}")
     if pdl:
         extra["SM90_PDL"] = int(pdl)
+    if ahead:
+        if multicast or tiles.stream_k:
+            raise ValueError("moe_sm90's L2 look-ahead build runs single CTAs over whole units: no multicast, no stream-K")
+        extra["SM90_L2_AHEAD"] = int(ahead)
+    if weights_first:
+        extra["SM90_B_FIRST"] = 1
     return arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", tiles.shared_bytes(), SM90_STAGES=tiles.stages,
                        SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast), **extra)
 
@@ -347,7 +381,9 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
         raise ValueError(f"moe_sm90 tiles {tiles} need {shared} bytes of shared memory (at most {SM90_MAX_SHARED_BYTES})")
     wait_first = after_grouping and not multicast and gate_up_pdl()
     pdl = 2 if wait_first else int(sm90_pdl() and not multicast)
-    fn = sm90_kernel(tiles, fuse_silu, multicast, pdl, _rotate_units if _rotate_units < weight.num_experts else 0)
+    ahead = l2_ahead() if not (multicast or tiles.stream_k) else 0
+    fn = sm90_kernel(tiles, fuse_silu, multicast, pdl, _rotate_units if _rotate_units < weight.num_experts else 0,
+                     ahead, b_first())
     grid = sm90_grid(num_slots, weight, fuse_silu, multicast, tiles)
     args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
             weight_maps.get(weight, tiles.tile_n // 2), grouping.offsets, np.int32(weight.num_experts), out,
