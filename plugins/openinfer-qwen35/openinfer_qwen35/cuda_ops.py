@@ -765,8 +765,12 @@ def prepare_split(split: SnapshotSplit) -> SnapshotSplit:
 
 SNAPSHOT_EMIT_ENV = "OPENINFER_QWEN35_SNAPSHOT_EMIT"  # "1" / "0": the state walk writes in-step snapshots / a split
 SNAPSHOT_WALK_SUFFIX = "_snapshot"  # gdn_chunk_states{,_registers}_snapshot: the walks that store a boundary's state
-# the switch's default: the measurement decides (see benchmarks/GPU.md, #17, the session of 22:43 UTC)
-DEFAULT_SNAPSHOT_EMIT = False
+# on by measurement (H200, D2 2026-11-24 session 12, main 9686efb, one lease, gpu_concurrency.py bursts of 1,000-token
+# prompts: every prompt snapshots at 992 inside its step; RESULTS/D2/snap17): out tok/s 16 / 64 streams 2,553 / 4,239
+# (split run) -> 2,665 / 4,569 (+4.4 / +7.8 %; TTFT p50 at 64: 624 -> 542 ms); a tail step instead
+# (SNAPSHOT_IN_STEP=0) 2,641 / 4,536. Outputs and snapshot states bit-identical to the split run
+# (test_qwen35_warm_turn_gpu.py). "0": each GDN layer in two parts around the boundary again
+DEFAULT_SNAPSHOT_EMIT = True
 
 
 def snapshot_emit() -> bool:

@@ -60,7 +60,7 @@ steps and variants. The decode
 column is ``OPENINFER_QWEN35_GDN_DECODE=vec4``, the default (``cuda_ops.DECODE_KERNELS``).
 
 A prefill step that snapshots a sequence's state at a block boundary inside its rows (the prefix
-cache, ``batch.state_snapshots``): with ``OPENINFER_QWEN35_SNAPSHOT_EMIT=1`` (opt-in) the cuda
+cache, ``batch.state_snapshots``): with ``OPENINFER_QWEN35_SNAPSHOT_EMIT=1`` (the default) the cuda
 chunked path cuts that sequence's chunks at the boundary, ``gdn_chunk_states{,_registers}_snapshot``
 store the fp32 state entering the chunk there into the snapshot slot and ``gdn_conv_snapshot`` the
 conv window (``KernelPlan.writes_snapshots``); otherwise (and on numpy) the model runs each GDN

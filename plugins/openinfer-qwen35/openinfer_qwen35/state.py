@@ -20,7 +20,7 @@ Lifecycle of a request's slot:
 - a prefix-cache snapshot at a block boundary inside a step's rows (``batch.state_snapshots``,
   the spec's ``snapshot_within_step``; where: ``KVCacheManager.snapshot_within``'s policy): where
   the plan's kernels can (``KernelPlan.writes_snapshots``: cuda, the chunked walk with
-  ``OPENINFER_QWEN35_SNAPSHOT_EMIT=1``) each GDN layer writes the state at the boundary into the
+  ``OPENINFER_QWEN35_SNAPSHOT_EMIT``, on by default) each GDN layer writes the state at the boundary into the
   snapshot slot in its one run; otherwise it runs the rows before the boundary, copies the slot
   into the snapshot slot, then runs the rest (``split_at_snapshots``) — in the one forward;
 - the engine frees the slot when it drops the request (finished, aborted, preempted).
