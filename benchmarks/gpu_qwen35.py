@@ -179,7 +179,8 @@ def compiled_with(**defines: int):
 
 SHORT_PROMPTS = (50, 500)  # --multi-turn-only: lone cold prompts (TTFT), a few blocks and a partial one
 # the switches of the warm turn's path, recorded with --multi-turn-only's results
-MULTI_TURN_SWITCHES = ("OPENINFER_QWEN35_SNAPSHOT_IN_STEP", "OPENINFER_QWEN35_PINNED_UPLOADS")
+MULTI_TURN_SWITCHES = ("OPENINFER_QWEN35_SNAPSHOT_IN_STEP", "OPENINFER_QWEN35_SNAPSHOT_EMIT", "OPENINFER_QWEN35_PINNED_UPLOADS",
+                       "OPENINFER_STATE_SNAPSHOTS")
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 
