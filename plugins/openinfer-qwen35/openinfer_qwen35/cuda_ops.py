@@ -606,6 +606,9 @@ def start_up_kernels(config: Qwen35Config) -> list[tuple[str, int, int, bool]]:
             found.append(("gdn_chunk_walk_fp32", dk, 0, False))
         if chosen.prepare in SPLIT_PREPARE_KERNELS and chosen.states not in SPLIT_WALK_KERNELS:
             found.append((SPLIT_WALK_KERNELS[0], dk, 0, False))
+        twin = _snapshot_walk(chosen)  # a split chain's walk storing snapshots
+        if twin is not None and chosen.prepare in SPLIT_PREPARE_KERNELS:
+            found.append((twin, dk, 0, False))
     if fused_decode_supported(config):
         chosen_decode = decode_kernel(config)
         found += [(name, dk, width, False) for name in DECODE_KERNELS.values()
@@ -787,8 +790,9 @@ def writes_snapshots(seqs: StepSequences, config: Qwen35Config) -> bool:
     (``gdn_chunk_states{,_registers}_snapshot``: the chunk layout cut there, the fp32 S entering
     that chunk into the snapshot slot) and ``gdn_conv_snapshot`` for the conv window. Otherwise
     (switched off, the token-by-token path, a prefill variant whose walk does not store it: the
-    plain scan, chunked_fp32, chunked_split) the model runs each GDN layer in two parts around the
-    boundary (``state.split_at_snapshots``). A variant can emit once its walk takes the two
+    plain scan, chunked_fp32, chunked_split's bf16 walk) the model runs each GDN layer in two parts
+    around the boundary (``state.split_at_snapshots``); the split-operand chains with fp16 parts
+    (chunked_split_f16 and its walk variants) store it. A variant can emit once its walk takes the two
     arrays of the *_snapshot walks (``snapshot_chunk``, ``snapshot_slot``: see gdn_chunked.cu)."""
     if seqs.snapshots is None or seqs.query_start is None or not snapshot_emit():
         return False
@@ -801,8 +805,23 @@ def writes_snapshots(seqs: StepSequences, config: Qwen35Config) -> bool:
 
 
 def _walk_stores_snapshots(prefill: PrefillKernels) -> bool:
-    """Whether ``prefill``'s chunk walk has a *_snapshot entry point (the split scan's walks)."""
-    return prefill.split_scan and prefill.prepare not in (FP32_PREPARE_KERNEL, *SPLIT_PREPARE_KERNELS)
+    """Whether ``prefill``'s chunk walk has a *_snapshot entry point (``_snapshot_walk``)."""
+    return _snapshot_walk(prefill) is not None
+
+
+def _snapshot_walk(prefill: PrefillKernels) -> str | None:
+    """The *_snapshot twin of ``prefill``'s chunk walk (in SOURCES), or None: the split scan's walks
+    (gdn_chunk_states{,_registers}: either may run, both have one) and the split-operand chains'
+    walks that have one (gdn_chunked_split.cu's fp16-part walks; the bf16 gdn_chunk_walk_split has
+    none); the fp32 chain and the plain scan have none."""
+    if prefill.prepare in SPLIT_PREPARE_KERNELS:
+        walk = prefill.states if prefill.states in SPLIT_WALK_KERNELS else SPLIT_WALK_KERNELS[0]
+    elif prefill.split_scan and prefill.prepare != FP32_PREPARE_KERNEL:
+        walk = prefill.states
+    else:
+        return None
+    twin = walk + SNAPSHOT_WALK_SUFFIX
+    return twin if twin in SOURCE_OF else None
 
 
 def _snapshot_walk_arrays(seqs: StepSequences, walk_seq_ids: np.ndarray | None,
@@ -1070,10 +1089,11 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
                 (SPLIT_THREADS,), (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts,
                                    lengths, norms, w32, u32, p32, cum32, np.int32(nk), np.int32(nv), np.int32(dv)),
                 shared_mem=prepare_bytes)
-        _launch(walk, kernel(walk, dk, walk_bytes),
+        walk_name = walk + (SNAPSHOT_WALK_SUFFIX if snapshot_args else "")  # its twin stores in-step snapshots
+        _launch(walk_name, kernel(walk_name, dk, walk_bytes),
                 (dv // SPLIT_WALK_TILE, num_seqs, nv), (SPLIT_THREADS,),
                 (conv_out, norms, w32, u32, p32, cum32, starts, lengths, per_seq, slots, fresh, ssm_state, core,
-                 np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=walk_bytes)
+                 np.int32(nk), np.int32(nv), np.int32(dv), *snapshot_args), shared_mem=walk_bytes)
         return
     if prefill.prepare == FP32_PREPARE_KERNEL:  # the fp32 chain: its prepare and walk, every array fp32
         prepare_bytes, walk_bytes = chunked_fp32_shared_bytes(dk, dv)

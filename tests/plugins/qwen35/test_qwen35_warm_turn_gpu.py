@@ -54,7 +54,7 @@ def test_in_step_snapshot_hit_equals_cold_run(gpu_checkpoint, monkeypatch, emit)
         assert steps[0][0] == [150] and [r[:2] for r in steps[0][1]] == [(0, 144)]  # one step, a snapshot at 144
         # written by the walk in the layer's one run, or by a run of the 144 rows before the boundary
         assert ("gdn_conv_snapshot" in launched) == (emit == "1")
-        assert any(name.endswith(cuda_ops.SNAPSHOT_WALK_SUFFIX) for name in launched) == (emit == "1")
+        assert any(_is_snapshot_walk(name) for name in launched) == (emit == "1")
         hit = run_one(engine, make_request("hit", prompt, max_tokens=24, logprobs=2))
         # the hit's 6 rows run alone, the first run's beside 144 others (GEMM tiles may differ): near-ties aside
         assert hit.cached_tokens == 144 and first_real_divergence(hit.token_ids, first) is None
@@ -96,6 +96,11 @@ def test_copy_state_rows_equals_indexed_assignment():
     assert cupy.array_equal(conv, want_conv) and cupy.array_equal(ssm, want_ssm)
 
 
+def _is_snapshot_walk(name: str) -> bool:
+    """A chunk walk's *_snapshot twin (not gdn_conv_snapshot, the conv window's kernel)."""
+    return name.endswith("_snapshot") and name.startswith(("gdn_chunk_states", "gdn_chunk_walk"))
+
+
 def _split_run(layer, proj, seqs):
     """The layer core as the model runs it when the kernels do not write the snapshots: the rows
     before each boundary, the slots copied, the rest (``Qwen35Model._delta_net_snapshotting``)."""
@@ -114,7 +119,7 @@ def _split_run(layer, proj, seqs):
     return core if split.inverse is None else core[split.inverse]
 
 
-@pytest.mark.parametrize("prefill", ["grouped_staged", "grouped_f16"])
+@pytest.mark.parametrize("prefill", ["grouped_staged", "grouped_f16", "chunked_split_f16", "chunked_split_f16_x3"])
 def test_the_walk_writes_the_state_a_run_stopping_at_the_boundary_leaves(monkeypatch, prefill):
     """One ``delta_net`` run with in-step snapshots (``seqs.snapshots``: the chunk layout cut at each
     boundary, the state walk storing the fp32 state entering the chunk there, ``gdn_conv_snapshot``
@@ -129,6 +134,8 @@ def test_the_walk_writes_the_state_a_run_stopping_at_the_boundary_leaves(monkeyp
 
     from tests.gpu.test_qwen35_kernels import Layer, device_bf16
 
+    if prefill not in cuda_ops.PREFILL_KERNELS:
+        pytest.skip(f"no {prefill} prefill variant in this tree")
     monkeypatch.delenv(cuda_ops.KERNELS_ENV, raising=False)
     monkeypatch.setenv(cuda_ops.PREFILL_ENV, prefill)
     monkeypatch.setenv(cuda_ops.SNAPSHOT_EMIT_ENV, "1")
@@ -148,7 +155,7 @@ def test_the_walk_writes_the_state_a_run_stopping_at_the_boundary_leaves(monkeyp
         with cuda_ops.kernel_timer() as launched:
             got = cuda_ops.delta_net(proj, emitting.device_weights, emitting.device_conv, emitting.device_ssm,
                                      cuda_ops.prepare_sequences(host), emitting.config)
-        assert "gdn_conv_snapshot" in launched and any(n.endswith(cuda_ops.SNAPSHOT_WALK_SUFFIX) for n in launched)
+        assert "gdn_conv_snapshot" in launched and any(_is_snapshot_walk(name) for name in launched)
         want = _split_run(splitting, proj, cuda_ops.prepare_sequences(
             StepSequences(query_start, host.slots, host.fresh, snapshots=snapshots)))
         written = snapshots[:, 2]
@@ -164,3 +171,26 @@ def test_the_walk_writes_the_state_a_run_stopping_at_the_boundary_leaves(monkeyp
         print(f"{prefill}, {len(lengths)} sequences: outputs differ at {int((got != want).sum())} of {got.size}, "
               f"snapshot states bit-identical: {np.array_equal(got_ssm[written], want_ssm[written])}")
         assert (got != want).mean() <= 1e-3
+
+
+def test_chains_whose_walk_cannot_store_snapshots_split_the_layer(monkeypatch):
+    """The bf16 split-operand walk, the fp32 chain and the plain scan have no *_snapshot twin: a step
+    with an in-step snapshot runs them in two parts (``writes_snapshots`` False); switched off too."""
+    from openinfer_qwen35 import cuda_ops
+    from openinfer_qwen35.config import Qwen35Config
+    from openinfer_qwen35.state import StepSequences
+
+    from tests.gpu.test_qwen35_kernels import CONFIG
+
+    config = Qwen35Config.from_dict(CONFIG)
+    monkeypatch.delenv(cuda_ops.KERNELS_ENV, raising=False)
+    seqs = StepSequences(np.array([0, 70]), np.array([1]), np.array([True]), snapshots=np.array([[0, 64, 2]]))
+    for prefill, emits in (("grouped_staged", True), ("chunked_split_f16", True), ("chunked_split", False),
+                           ("chunked_fp32", False), ("plain", False)):
+        if prefill not in cuda_ops.PREFILL_KERNELS:
+            continue
+        monkeypatch.setenv(cuda_ops.PREFILL_ENV, prefill)
+        assert cuda_ops.writes_snapshots(seqs, config) == emits, prefill
+    monkeypatch.setenv(cuda_ops.PREFILL_ENV, "grouped_staged")
+    monkeypatch.setenv(cuda_ops.SNAPSHOT_EMIT_ENV, "0")
+    assert not cuda_ops.writes_snapshots(seqs, config)
