@@ -414,7 +414,7 @@ def chunked_split_shared_bytes(dk: int, dv: int, walk: str = "gdn_chunk_walk_spl
     order): 75 / 82 KB at the 4B shape (the fp16 walks': 71 KB)."""
     chunk, row_h, row_c = CHUNK_SIZE, dk + 8, CHUNK_SIZE + 8
     rows_then_solve = max(2 * 2 * chunk * row_h, 4 * 2 * chunk * row_c)  # q / k rows, then A and T in their place
-    prepare = rows_then_solve + 2 * (dk * row_c + dv * row_c) + 4 * 4 * chunk + 8 * chunk
+    prepare = rows_then_solve + 2 * (dk * row_c + max(dv * row_c, chunk * (dv + 8))) + 4 * 4 * chunk + 8 * chunk
     fp16_parts = walk.startswith("gdn_chunk_walk_split_f16")  # two state planes; q and k as rows
     k_buffers = 2 if walk.startswith("gdn_chunk_walk_split_f16_pipe") else 1
     walk_bytes = (4 * (SPLIT_WALK_TILE * row_c + chunk * (SPLIT_WALK_TILE + 8) + 3 * chunk)

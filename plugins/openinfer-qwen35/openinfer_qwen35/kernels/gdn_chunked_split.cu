@@ -475,9 +475,11 @@ __device__ __forceinline__ void chunk_prepare_split(unsigned char* smem, SPLIT_P
     bf16* kr = qr + SPLIT_CHUNK * SPLIT_LDH;       // [64][SPLIT_LDH] raw k rows
     float* amat = reinterpret_cast<float*>(smem);  // [64][SPLIT_LDF] A, strictly lower (after the scores)
     float* tinv = amat + SPLIT_CHUNK * SPLIT_LDF;  // [64][SPLIT_LDF] T, lower
+    // (F16: k and v as raw rows, [64][DK + 8] and [64][dv + 8], their B fragments by ldmatrix.trans)
     bf16* kt = reinterpret_cast<bf16*>(smem + FIRST_BYTES);  // [DK][SPLIT_LDCH] raw k^T
     bf16* vt = kt + DK * SPLIT_LDCH;               // [dv][SPLIT_LDCH] raw v^T
-    float* rq = reinterpret_cast<float*>(vt + (size_t)dv * SPLIT_LDCH);  // [64] q's norm scale (x DK^-1/2)
+    const int vt_elems = dv * SPLIT_LDCH > SPLIT_CHUNK * (dv + 8) ? dv * SPLIT_LDCH : SPLIT_CHUNK * (dv + 8);
+    float* rq = reinterpret_cast<float*>(vt + vt_elems);  // [64] q's norm scale (x DK^-1/2)
     float* rk = rq + SPLIT_CHUNK;                  // [64] k's
     float* beta = rk + SPLIT_CHUNK;                // [64]
     float* beta_decay = beta + SPLIT_CHUNK;        // [64] beta exp(c) rk
@@ -491,10 +493,23 @@ __device__ __forceinline__ void chunk_prepare_split(unsigned char* smem, SPLIT_P
         gate_b = row[0];
         gate_a = row[num_value_heads];
     }
-    // raw q, k rows (and k^T), v^T by 16-byte loads (a thread's issued together); rows past the chunk zeros
-    {
-        // v vectors a thread issues together (dv / 16 in all; F16: dv / 8, one batch up to dv = 128)
-        constexpr int V_BATCH = F16 ? 8 : 4;
+    if constexpr (F16) {  // q / k rows (k twice: for the scores, and W's rows) and v rows by cp.async, all at once
+        const bf16* qk_rows = conv_out + (size_t)t0 * conv_dim + key_head * DK;
+        for (int e = threadIdx.x; e < SPLIT_CHUNK * (DK / 8); e += SPLIT_THREADS) {
+            const int r = e / (DK / 8), i = 8 * (e % (DK / 8));
+            const bf16* row = qk_rows + (size_t)(r < n ? r : 0) * conv_dim + i;
+            copy16_async(qr + r * SPLIT_LDH + i, row, r < n);
+            copy16_async(kr + r * SPLIT_LDH + i, row + key_dim, r < n);
+            copy16_async(kt + r * SPLIT_LDH + i, row + key_dim, r < n);
+        }
+        const bf16* v_rows = conv_out + (size_t)t0 * conv_dim + 2 * key_dim + h * dv;
+        for (int e = threadIdx.x; e < SPLIT_CHUNK * (dv / 8); e += SPLIT_THREADS) {
+            const int r = e / (dv / 8), j = 8 * (e % (dv / 8));
+            copy16_async(vt + r * (dv + 8) + j, v_rows + (size_t)(r < n ? r : 0) * conv_dim + j, r < n);
+        }
+        copies16_wait();
+    } else {  // raw q, k rows (and k^T), v^T by 16-byte loads (a thread's issued together); rows past the chunk zeros
+        constexpr int V_BATCH = 4;  // v vectors a thread issues together (dv / 16 in all)
         Bf16x8 v8[V_BATCH];
         const int v_total = SPLIT_CHUNK * (dv / 8);
         const bf16* v_rows = conv_out + (size_t)t0 * conv_dim + 2 * key_dim + h * dv;
@@ -624,8 +639,9 @@ __device__ __forceinline__ void chunk_prepare_split(unsigned char* smem, SPLIT_P
     // U = (T diag(beta)) V_raw (T's side in 3 parts) and W = (T diag(beta exp(c) rk)) K_raw (2 parts), rows
     // 16w .. 16w + 15; T lower: the k tiles up to the strip's own
     // (presplit, F16 only: each pair of dst as its fp16 parts, f16_parts_as_float2)
-    auto product = [&](const float* scale, const bf16* bt, int width, int parts, float* dst, size_t dst_stride,
-                       bool presplit) {
+    // (F16: bt holds the rows, [64][ld]; else their transpose, [width][SPLIT_LDCH])
+    auto product = [&](const float* scale, const bf16* bt, int ld, int width, int parts, float* dst,
+                       size_t dst_stride, bool presplit) {
         for (int n0 = 0; n0 < width; n0 += 64) {  // 8 n-tiles at a time (64 accumulators)
             float acc[8][4] = {}, acc_lo[8][4] = {};  // (acc_lo: F16's lo products)
             for (int k0 = 0; k0 <= row0; k0 += 16) {
@@ -639,7 +655,7 @@ __device__ __forceinline__ void chunk_prepare_split(unsigned char* smem, SPLIT_P
                     for (int nt = 0; nt < 8; ++nt) {
                         if (n0 + nt * 8 >= width) break;
                         unsigned b[2];
-                        load_b_raw(b, bt + (n0 + nt * 8) * SPLIT_LDCH + k0, SPLIT_LDCH);
+                        load_b_rows_as_f16(b, bt + k0 * ld + n0 + nt * 8, ld);
                         mma_f16_16816(acc[nt], hi, b[0], b[1]);
                         MMA_F16_PART(acc_lo[nt], lo, b[0], b[1]);
                     }
@@ -671,9 +687,10 @@ __device__ __forceinline__ void chunk_prepare_split(unsigned char* smem, SPLIT_P
                 }
         }
     };
-    product(beta, vt, dv, 3, u_out + (size_t)h * dv, (size_t)value_dim, false);
+    product(beta, vt, F16 ? dv + 8 : SPLIT_LDCH, dv, 3, u_out + (size_t)h * dv, (size_t)value_dim, false);
     SPLIT_PHASE(6);  // U (tensor cores) stored
-    product(beta_decay, kt, DK, 2, w_out + (size_t)h * DK, (size_t)num_value_heads * DK, F16);
+    product(beta_decay, kt, F16 ? SPLIT_LDH : SPLIT_LDCH, DK, 2, w_out + (size_t)h * DK, (size_t)num_value_heads * DK,
+            F16);
     SPLIT_PHASE(7);  // W (tensor cores) stored
     SPLIT_PHASES_DONE();
 }
