@@ -134,7 +134,8 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec
            "gdn_chunked_fp32.cu": ("gdn_chunk_prepare_fp32", "gdn_chunk_walk_fp32"),
            "gdn_chunked_split.cu": ("gdn_chunk_prepare_split", "gdn_chunk_walk_split", "gdn_chunk_prepare_split_f16",
                                     "gdn_chunk_walk_split_f16", "gdn_chunk_walk_split_f16_x3",
-                                    "gdn_chunk_walk_split_f16_snapshot", "gdn_chunk_walk_split_f16_x3_snapshot"),
+                                    "gdn_chunk_walk_split_f16_snapshot", "gdn_chunk_walk_split_f16_x3_snapshot",
+                                    "gdn_chunk_walk_split_f16_pipe", "gdn_chunk_walk_split_f16_pipe_snapshot"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
                              "gdn_decode_step_vec4", "gdn_decode_step_bulk")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
@@ -215,7 +216,10 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                                                        "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16"),
                    # chunked_split_f16 with W's and P's fragments loaded in the walk where used: 3 blocks an SM
                    "chunked_split_f16_x3": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split_f16", False,
-                                                          "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16_x3")}
+                                                          "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16_x3"),
+                   # chunked_split_f16 with the next chunk's q / k / U requested during this chunk's P V' and update
+                   "chunked_split_f16_pipe": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split_f16", False,
+                                                            "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16_pipe")}
 FP32_PREPARE_KERNEL = "gdn_chunk_prepare_fp32"  # gdn_chunked_fp32.cu: its own walk (gdn_chunk_walk_fp32)
 FP32_CHUNKED_MAX_KEY_HEAD_DIM = 128  # its walk's shared q / k / W tiles [64][DK + 1] fp32 (and S, P, U) fit 227 KiB
 FP32_WALK_TILE = 32  # value channels a gdn_chunk_walk_fp32 block
@@ -224,7 +228,8 @@ SPLIT_PREPARE_KERNEL = "gdn_chunk_prepare_split"  # gdn_chunked_split.cu: its ow
 SPLIT_PREPARE_KERNELS = (SPLIT_PREPARE_KERNEL, "gdn_chunk_prepare_split_f16")  # bf16 / fp16 operand parts
 SPLIT_WALK_TILE = 32  # value channels a gdn_chunk_walk_split block
 # the split chain's walks (PrefillKernels.states): bf16 hi / mid / lo operand parts, or fp16 hi / lo
-SPLIT_WALK_KERNELS = ("gdn_chunk_walk_split", "gdn_chunk_walk_split_f16", "gdn_chunk_walk_split_f16_x3")
+SPLIT_WALK_KERNELS = ("gdn_chunk_walk_split", "gdn_chunk_walk_split_f16", "gdn_chunk_walk_split_f16_x3",
+                      "gdn_chunk_walk_split_f16_pipe")
 SPLIT_THREADS = 128
 # the kernels of gdn_chunked.cu whose operands follow GDN_F16_OPERANDS (the others assume bf16 ones)
 F16_OPERAND_KERNELS = frozenset({"gdn_chunk_prepare_grouped_mma", "gdn_chunk_states", "gdn_chunk_states_registers",
@@ -433,11 +438,12 @@ def chunked_split_shared_bytes(dk: int, dv: int, walk: str = "gdn_chunk_walk_spl
     order): 75 / 82 KB at the 4B shape (the fp16 walks': 71 KB)."""
     chunk, row_h, row_c = CHUNK_SIZE, dk + 8, CHUNK_SIZE + 8
     rows_then_solve = max(2 * 2 * chunk * row_h, 4 * 2 * chunk * row_c)  # q / k rows, then A and T in their place
-    prepare = rows_then_solve + 2 * (dk * row_c + dv * row_c) + 4 * 4 * chunk + 8 * chunk
+    prepare = rows_then_solve + 2 * (dk * row_c + max(dv * row_c, chunk * (dv + 8))) + 4 * 4 * chunk + 8 * chunk
     fp16_parts = walk.startswith("gdn_chunk_walk_split_f16")  # two state planes; q and k as rows
+    k_buffers = 2 if walk.startswith("gdn_chunk_walk_split_f16_pipe") else 1
     walk_bytes = (4 * (SPLIT_WALK_TILE * row_c + chunk * (SPLIT_WALK_TILE + 8) + 3 * chunk)
                   + 2 * ((2 if fp16_parts else 3) * SPLIT_WALK_TILE * row_h + chunk * row_h
-                         + (chunk * row_h if fp16_parts else dk * row_c)))
+                         + (k_buffers * chunk * row_h if fp16_parts else dk * row_c)))
     return prepare, walk_bytes
 
 

@@ -370,7 +370,7 @@ def fp32_and_split_chains(tmp_path_factory):
     return directory, (int(query_start[-1]), nv * FAST_VALUE_DIM), slots, ssm_state
 
 
-@pytest.mark.parametrize("chain", ["fp32", "split", "split_f16", "split_f16_x3"])
+@pytest.mark.parametrize("chain", ["fp32", "split", "split_f16", "split_f16_x3", "split_f16_pipe"])
 def test_fp32_chunked_prefill_matches_the_token_by_token_kernel(fp32_and_split_chains, chain):
     """Issue #17: the fp32 chunked prefill (gdn_chunked_fp32.cu, OPENINFER_QWEN35_GDN_PREFILL=chunked_fp32)
     and the split-operand tensor-core one (gdn_chunked_split.cu, =chunked_split: exact q / k products,

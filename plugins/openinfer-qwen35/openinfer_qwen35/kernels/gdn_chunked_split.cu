@@ -475,9 +475,11 @@ __device__ __forceinline__ void chunk_prepare_split(unsigned char* smem, SPLIT_P
     bf16* kr = qr + SPLIT_CHUNK * SPLIT_LDH;       // [64][SPLIT_LDH] raw k rows
     float* amat = reinterpret_cast<float*>(smem);  // [64][SPLIT_LDF] A, strictly lower (after the scores)
     float* tinv = amat + SPLIT_CHUNK * SPLIT_LDF;  // [64][SPLIT_LDF] T, lower
+    // (F16: k and v as raw rows, [64][DK + 8] and [64][dv + 8], their B fragments by ldmatrix.trans)
     bf16* kt = reinterpret_cast<bf16*>(smem + FIRST_BYTES);  // [DK][SPLIT_LDCH] raw k^T
     bf16* vt = kt + DK * SPLIT_LDCH;               // [dv][SPLIT_LDCH] raw v^T
-    float* rq = reinterpret_cast<float*>(vt + (size_t)dv * SPLIT_LDCH);  // [64] q's norm scale (x DK^-1/2)
+    const int vt_elems = dv * SPLIT_LDCH > SPLIT_CHUNK * (dv + 8) ? dv * SPLIT_LDCH : SPLIT_CHUNK * (dv + 8);
+    float* rq = reinterpret_cast<float*>(vt + vt_elems);  // [64] q's norm scale (x DK^-1/2)
     float* rk = rq + SPLIT_CHUNK;                  // [64] k's
     float* beta = rk + SPLIT_CHUNK;                // [64]
     float* beta_decay = beta + SPLIT_CHUNK;        // [64] beta exp(c) rk
@@ -491,10 +493,23 @@ __device__ __forceinline__ void chunk_prepare_split(unsigned char* smem, SPLIT_P
         gate_b = row[0];
         gate_a = row[num_value_heads];
     }
-    // raw q, k rows (and k^T), v^T by 16-byte loads (a thread's issued together); rows past the chunk zeros
-    {
-        // v vectors a thread issues together (dv / 16 in all; F16: dv / 8, one batch up to dv = 128)
-        constexpr int V_BATCH = F16 ? 8 : 4;
+    if constexpr (F16) {  // q / k rows (k twice: for the scores, and W's rows) and v rows by cp.async, all at once
+        const bf16* qk_rows = conv_out + (size_t)t0 * conv_dim + key_head * DK;
+        for (int e = threadIdx.x; e < SPLIT_CHUNK * (DK / 8); e += SPLIT_THREADS) {
+            const int r = e / (DK / 8), i = 8 * (e % (DK / 8));
+            const bf16* row = qk_rows + (size_t)(r < n ? r : 0) * conv_dim + i;
+            copy16_async(qr + r * SPLIT_LDH + i, row, r < n);
+            copy16_async(kr + r * SPLIT_LDH + i, row + key_dim, r < n);
+            copy16_async(kt + r * SPLIT_LDH + i, row + key_dim, r < n);
+        }
+        const bf16* v_rows = conv_out + (size_t)t0 * conv_dim + 2 * key_dim + h * dv;
+        for (int e = threadIdx.x; e < SPLIT_CHUNK * (dv / 8); e += SPLIT_THREADS) {
+            const int r = e / (dv / 8), j = 8 * (e % (dv / 8));
+            copy16_async(vt + r * (dv + 8) + j, v_rows + (size_t)(r < n ? r : 0) * conv_dim + j, r < n);
+        }
+        copies16_wait();
+    } else {  // raw q, k rows (and k^T), v^T by 16-byte loads (a thread's issued together); rows past the chunk zeros
+        constexpr int V_BATCH = 4;  // v vectors a thread issues together (dv / 16 in all)
         Bf16x8 v8[V_BATCH];
         const int v_total = SPLIT_CHUNK * (dv / 8);
         const bf16* v_rows = conv_out + (size_t)t0 * conv_dim + 2 * key_dim + h * dv;
@@ -624,8 +639,9 @@ __device__ __forceinline__ void chunk_prepare_split(unsigned char* smem, SPLIT_P
     // U = (T diag(beta)) V_raw (T's side in 3 parts) and W = (T diag(beta exp(c) rk)) K_raw (2 parts), rows
     // 16w .. 16w + 15; T lower: the k tiles up to the strip's own
     // (presplit, F16 only: each pair of dst as its fp16 parts, f16_parts_as_float2)
-    auto product = [&](const float* scale, const bf16* bt, int width, int parts, float* dst, size_t dst_stride,
-                       bool presplit) {
+    // (F16: bt holds the rows, [64][ld]; else their transpose, [width][SPLIT_LDCH])
+    auto product = [&](const float* scale, const bf16* bt, int ld, int width, int parts, float* dst,
+                       size_t dst_stride, bool presplit) {
         for (int n0 = 0; n0 < width; n0 += 64) {  // 8 n-tiles at a time (64 accumulators)
             float acc[8][4] = {}, acc_lo[8][4] = {};  // (acc_lo: F16's lo products)
             for (int k0 = 0; k0 <= row0; k0 += 16) {
@@ -639,7 +655,7 @@ __device__ __forceinline__ void chunk_prepare_split(unsigned char* smem, SPLIT_P
                     for (int nt = 0; nt < 8; ++nt) {
                         if (n0 + nt * 8 >= width) break;
                         unsigned b[2];
-                        load_b_raw(b, bt + (n0 + nt * 8) * SPLIT_LDCH + k0, SPLIT_LDCH);
+                        load_b_rows_as_f16(b, bt + k0 * ld + n0 + nt * 8, ld);
                         mma_f16_16816(acc[nt], hi, b[0], b[1]);
                         MMA_F16_PART(acc_lo[nt], lo, b[0], b[1]);
                     }
@@ -671,9 +687,10 @@ __device__ __forceinline__ void chunk_prepare_split(unsigned char* smem, SPLIT_P
                 }
         }
     };
-    product(beta, vt, dv, 3, u_out + (size_t)h * dv, (size_t)value_dim, false);
+    product(beta, vt, F16 ? dv + 8 : SPLIT_LDCH, dv, 3, u_out + (size_t)h * dv, (size_t)value_dim, false);
     SPLIT_PHASE(6);  // U (tensor cores) stored
-    product(beta_decay, kt, DK, 2, w_out + (size_t)h * DK, (size_t)num_value_heads * DK, F16);
+    product(beta_decay, kt, F16 ? SPLIT_LDH : SPLIT_LDCH, DK, 2, w_out + (size_t)h * DK, (size_t)num_value_heads * DK,
+            F16);
     SPLIT_PHASE(7);  // W (tensor cores) stored
     SPLIT_PHASES_DONE();
 }
@@ -944,7 +961,10 @@ __device__ __forceinline__ void store_state_planes_f16(const float (*acc)[4], un
         num_key_heads, num_value_heads, dv
 // SNAPSHOT (the _snapshot entries, for an in-step prefix snapshot): S entering layout chunk snapshot_chunk[s]
 // (-1: none; the sequence's end: its final state) also stored into slot snapshot_slot[s] (fp32, the slot layout).
-template <bool LATE_LOADS, bool SNAPSHOT>
+// PIPELINED (gdn_chunk_walk_split_f16_pipe; not with LATE_LOADS): the next chunk's q / k rows, U, c and norms
+// requested while this chunk's P V' and update run (k into a second buffer: 88 KB, 2 blocks an SM), so a chunk
+// starts with its operands in shared memory.
+template <bool LATE_LOADS, bool SNAPSHOT, bool PIPELINED = false>
 __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_WALK_PARAMS,
                                                      const int* __restrict__ snapshot_chunk,
                                                      const int* __restrict__ snapshot_slot) {
@@ -960,7 +980,36 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
     float* cum = tail_scale + SPLIT_CHUNK;                 // [64]
     unsigned short* planes = reinterpret_cast<unsigned short*>(cum + SPLIT_CHUNK);  // 2 x [32][SPLIT_LDH]
     bf16* qraw = reinterpret_cast<bf16*>(planes + 2 * PLANE);  // [64][SPLIT_LDH] raw q rows
-    bf16* kraw = qraw + SPLIT_CHUNK * SPLIT_LDH;           // [64][SPLIT_LDH] raw k rows
+    bf16* kraws = qraw + SPLIT_CHUNK * SPLIT_LDH;          // (PIPELINED: 2 x) [64][SPLIT_LDH] raw k rows
+    static_assert(!(LATE_LOADS && PIPELINED), "the pipelined walk prefetches W / P");
+    // chunk c's q / k rows (k into k_rows) and U (rows past its end: zeros) by cp.async, and (threads < 64) its c
+    // and norms into registers: every global read of a chunk but W's and P's, issued at once
+    auto request_chunk = [&](int c, bf16* k_rows, float& cum_value, float& q_norm, float& k_norm) {
+        const int t0 = chunk_start[c], n = chunk_len[c];
+        const bf16* qk_rows = conv_out + (size_t)t0 * conv_dim + key_head * DK;
+        for (int e = threadIdx.x; e < SPLIT_CHUNK * (DK / 8); e += SPLIT_THREADS) {
+            const int r = e / (DK / 8), i = 8 * (e % (DK / 8));
+            const bf16* row = qk_rows + (size_t)(r < n ? r : 0) * conv_dim + i;
+            copy16_async(qraw + r * SPLIT_LDH + i, row, r < n);
+            copy16_async(k_rows + r * SPLIT_LDH + i, row + key_dim, r < n);
+        }
+        for (int e = threadIdx.x; e < SPLIT_CHUNK * (SPLIT_TILE / 4); e += SPLIT_THREADS) {
+            const int r = e / (SPLIT_TILE / 4), j = 4 * (e % (SPLIT_TILE / 4));
+            copy16_async(us + r * SPLIT_LDU + j,
+                         u_in + ((size_t)(t0 + (r < n ? r : 0)) * num_value_heads + h) * dv + j0 + j, r < n);
+        }
+        q_norm = k_norm = 0.f;  // (rows past the chunk: 0; their c: the last row's)
+        if (threadIdx.x < SPLIT_CHUNK) {
+            const int r = threadIdx.x < n ? threadIdx.x : n - 1;
+            cum_value = cum_in[(size_t)(t0 + r) * num_value_heads + h];
+            if (threadIdx.x < n) {
+                const float* nq = norms + ((size_t)(t0 + r) * num_key_heads + key_head) * 2;
+                q_norm = nq[0];
+                k_norm = nq[1];
+            }
+        }
+    };
+    float next_cum = 0.f, next_q_norm = 0.f, next_k_norm = 0.f;  // (PIPELINED) the next chunk's
 
     SPLIT_PHASES_BEGIN();
     float* state = ssm_state + ((size_t)slots[s] * num_value_heads + h) * DK * dv;
@@ -981,9 +1030,12 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
             for (int e = 0; e < 4; ++e) to[(size_t)state_col(nt, e) * dv + j0 + state_row(e)] = sacc[nt][e];
     };
     auto store_snapshot = [&]() { store_state(ssm_state + ((size_t)snapshot_slot[s] * num_value_heads + h) * DK * dv); };
+    if (PIPELINED && seq_chunks[s] < seq_chunks[s + 1])
+        request_chunk(seq_chunks[s], kraws, next_cum, next_q_norm, next_k_norm);
     for (int c = seq_chunks[s]; c < seq_chunks[s + 1]; ++c) {
         if (SNAPSHOT && c == snapshot_at) store_snapshot();
         const int t0 = chunk_start[c], n = chunk_len[c];
+        bf16* kraw = kraws + (PIPELINED ? ((c - seq_chunks[s]) & 1) * SPLIT_CHUNK * SPLIT_LDH : 0);
         const float* p = p_in + ((size_t)c * num_value_heads + h) * SPLIT_CHUNK * SPLIT_CHUNK;
         const size_t w_stride = (size_t)num_value_heads * DK;
         const float* w_rows = w_in + ((size_t)t0 * num_value_heads + h) * DK;
@@ -996,30 +1048,9 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
                 if (16 * kt16 <= row0) load_a_f32(pf[kt16], p + row0 * SPLIT_CHUNK + 16 * kt16, SPLIT_CHUNK, nullptr);
         }
         __syncthreads();  // the last chunk's readers are done, its state planes written
-        {  // q / k rows and U (rows past n: zeros) by cp.async, all issued before any wait
-            const bf16* qk_rows = conv_out + (size_t)t0 * conv_dim + key_head * DK;
-            for (int e = threadIdx.x; e < SPLIT_CHUNK * (DK / 8); e += SPLIT_THREADS) {
-                const int r = e / (DK / 8), i = 8 * (e % (DK / 8));
-                const bf16* row = qk_rows + (size_t)(r < n ? r : 0) * conv_dim + i;
-                copy16_async(qraw + r * SPLIT_LDH + i, row, r < n);
-                copy16_async(kraw + r * SPLIT_LDH + i, row + key_dim, r < n);
-            }
-            for (int e = threadIdx.x; e < SPLIT_CHUNK * (SPLIT_TILE / 4); e += SPLIT_THREADS) {
-                const int r = e / (SPLIT_TILE / 4), j = 4 * (e % (SPLIT_TILE / 4));
-                copy16_async(us + r * SPLIT_LDU + j,
-                             u_in + ((size_t)(t0 + (r < n ? r : 0)) * num_value_heads + h) * dv + j0 + j, r < n);
-            }
-        }
-        float q_norm = 0.f, k_norm = 0.f;  // row threadIdx.x's (rows past the chunk: 0)
-        if (threadIdx.x < SPLIT_CHUNK) {
-            const int r = threadIdx.x < n ? threadIdx.x : n - 1;
-            cum[threadIdx.x] = cum_in[(size_t)(t0 + r) * num_value_heads + h];
-            if (threadIdx.x < n) {
-                const float* nq = norms + ((size_t)(t0 + r) * num_key_heads + key_head) * 2;
-                q_norm = nq[0];
-                k_norm = nq[1];
-            }
-        }
+        float cum_value = next_cum, q_norm = next_q_norm, k_norm = next_k_norm;  // row threadIdx.x's
+        if constexpr (!PIPELINED) request_chunk(c, kraw, cum_value, q_norm, k_norm);
+        if (threadIdx.x < SPLIT_CHUNK) cum[threadIdx.x] = cum_value;
         copies16_wait();
         __syncthreads();
         if (threadIdx.x < SPLIT_CHUNK) {  // (read after the next barrier)
@@ -1069,6 +1100,10 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
                 }
         }
         __syncthreads();
+        // (PIPELINED) q and U are read: the next chunk's requested (its k into the other buffer)
+        if (PIPELINED && c + 1 < seq_chunks[s + 1])
+            request_chunk(c + 1, kraws + ((c + 1 - seq_chunks[s]) & 1) * SPLIT_CHUNK * SPLIT_LDH, next_cum, next_q_norm,
+                          next_k_norm);
         SPLIT_PHASE(3);  // V' = U - W S and Q S (tensor cores)
         // O = diag(rq exp(c)) Q S + P V' (P, V' hi / lo: 3 mmas), rows 16w ..
         {
@@ -1157,6 +1192,18 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) gdn_chunk_walk_split
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS, 3) gdn_chunk_walk_split_f16_x3(SPLIT_WALK_PARAMS) {
     GDN_DYNAMIC_SHARED(smem);
     chunk_walk_split_f16<true, false>(smem, SPLIT_WALK_ARGS, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) gdn_chunk_walk_split_f16_pipe(SPLIT_WALK_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_walk_split_f16<false, false, true>(smem, SPLIT_WALK_ARGS, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+gdn_chunk_walk_split_f16_pipe_snapshot(SPLIT_WALK_PARAMS, const int* __restrict__ snapshot_chunk,
+                                       const int* __restrict__ snapshot_slot) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_walk_split_f16<false, true, true>(smem, SPLIT_WALK_ARGS, snapshot_chunk, snapshot_slot);
 }
 
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
