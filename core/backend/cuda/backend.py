@@ -219,7 +219,9 @@ class CudaBackend:
         note_event("discovery_done", last=True)
         if preload:
             # the graphs' captures met ~100 first uses one after the other; here they load while NVRTC runs
-            self.gemm_preloads += self._load_gemms([*gemm_rows, *dry_rows])
+            # (their inputs from the default pool, as eager steps' are: not the caller's, e.g. the graphs' pool)
+            with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+                self.gemm_preloads += self._load_gemms([*gemm_rows, *dry_rows])
             note_event("gemms_preloaded", last=True)
         built = compile_kernels([*wanted, *STEP_KERNELS], self.device.id)
         note_event("kernels_compiled", last=True)
