@@ -135,17 +135,21 @@ def _malloc_trim() -> bool:
     return bool(trim(0)) if trim is not None else False
 
 
-# "1": CuPy's import and the CUDA context start in a thread; "driver": the context alone, made in a thread
-# through the driver API by ctypes, which lets go of the GIL (CuPy's import holds it: the main thread's
-# imports wait meanwhile); "0": the backend makes the context
+# "driver" (default since s12 D2): the context alone, made in a thread through the driver API by ctypes, which
+# lets go of the GIL (H200, served Qwen3-4B: CuPy imported + context made 1.11-1.16 -> 0.73-0.79 s after the
+# core's spawn; with OPENINFER_WEIGHTS_JOIN=serve and OPENINFER_GEMM_PRELOAD=1 a cold start 2.87 / 3.02 ->
+# 2.58 / 2.72 s, a restart 2.65 / 2.97 -> 2.05 / 2.43 s, results/served_start_s12d2_h200.json); "1": CuPy's
+# import and the context in a thread (CuPy's import holds the GIL: the main thread's imports wait meanwhile);
+# "0": the backend makes the context
 EARLY_CUDA_ENV = "OPENINFER_EARLY_CUDA"
 EARLY_CUDA_MODES = ("0", "1", "driver")
+DEFAULT_EARLY_CUDA = "driver"
 
 
 def early_cuda_mode() -> str:
-    """``OPENINFER_EARLY_CUDA`` ("0" when unset); anything but ``EARLY_CUDA_MODES`` is an error
-    (the engine core reports it and exits 2, as for a bad option)."""
-    mode = os.environ.get(EARLY_CUDA_ENV, "0").strip().lower() or "0"
+    """``OPENINFER_EARLY_CUDA`` (``DEFAULT_EARLY_CUDA`` when unset); anything but ``EARLY_CUDA_MODES``
+    is an error (the engine core reports it and exits 2, as for a bad option)."""
+    mode = os.environ.get(EARLY_CUDA_ENV, DEFAULT_EARLY_CUDA).strip().lower() or DEFAULT_EARLY_CUDA
     if mode not in EARLY_CUDA_MODES:
         raise OpenInferError(f"{EARLY_CUDA_ENV}={mode!r}: expected one of {', '.join(EARLY_CUDA_MODES)}")
     return mode
@@ -220,7 +224,7 @@ def start_cuda_early() -> threading.Thread:
     global _early_cuda
     if _early_cuda is not None:
         return _early_cuda
-    by_driver = os.environ.get(EARLY_CUDA_ENV, "").strip().lower() == "driver"
+    by_driver = early_cuda_mode() == "driver"
 
     def init() -> None:
         try:
@@ -266,18 +270,19 @@ def deferred_weights(options: Any) -> Iterator[Any]:
         yield copies
 
 
-# when the engine joins a deferred load's weight copies: "compile" (default, as since s9 D2) after the kernel
-# compile, before the graphs' warm-up forwards; "serve" just before it serves: the graph capture and the
-# prefill warm-up (whose outputs are thrown away; they read the weights only as garbage) run beside the
-# copies, in a relaxed-mode capture that other threads' copies do not disturb
+# when the engine joins a deferred load's weight copies: "serve" (default since s12 D2, with the driver's early
+# context and the GEMM preload: see EARLY_CUDA_ENV) just before it serves: the graph capture and the prefill
+# warm-up (whose outputs are thrown away; they read the weights only as garbage) run beside the copies, in a
+# relaxed-mode capture that other threads' copies do not disturb; "compile" (as since s9 D2) after the
+# kernel compile, before the graphs' warm-up forwards (a restart waited 0.3-0.4 s for the copies there)
 WEIGHTS_JOIN_ENV = "OPENINFER_WEIGHTS_JOIN"
 WEIGHTS_JOIN_POINTS = ("compile", "serve")
 _joining_later = threading.Event()
 
 
 def weights_join_point() -> str:
-    """``OPENINFER_WEIGHTS_JOIN`` ("compile" when unset); anything else is a clear start-up error."""
-    point = os.environ.get(WEIGHTS_JOIN_ENV, "compile").strip().lower() or "compile"
+    """``OPENINFER_WEIGHTS_JOIN`` ("serve" when unset); anything else is a clear start-up error."""
+    point = os.environ.get(WEIGHTS_JOIN_ENV, "serve").strip().lower() or "serve"
     if point not in WEIGHTS_JOIN_POINTS:
         raise OpenInferError(f"{WEIGHTS_JOIN_ENV}={point!r}: expected one of {', '.join(WEIGHTS_JOIN_POINTS)}")
     return point

@@ -62,9 +62,10 @@ STEP_KERNELS = (("sampling.cu", "sample_rows", ()), ("logit_constraints.cu", "ap
                 ("static_batch.cu", "scatter_int32", ()), ("static_batch.cu", "copy_token_sources", ()))
 
 
-# "1": the graphs' cuBLAS kernels (every capture row count x weight shape) are loaded while the start-up's
-# kernels build (``precompile_kernels(gemm_rows=...)``), not one by one in the captures, and the discovery's
-# dry runs launch no GEMM (their row counts join the load)
+# "1" (default since s12 D2, with OPENINFER_EARLY_CUDA=driver and OPENINFER_WEIGHTS_JOIN=serve: see
+# openinfer.engine_core.startup): the graphs' cuBLAS kernels (every capture row count x weight shape) are
+# loaded while the start-up's kernels build (``precompile_kernels(gemm_rows=...)``), not one by one in the
+# captures, and the discovery's dry runs launch no GEMM (their row counts join the load); "0": as before
 GEMM_PRELOAD_ENV = "OPENINFER_GEMM_PRELOAD"
 
 
@@ -200,11 +201,11 @@ class CudaBackend:
         """Compile, in parallel, every kernel ``dry_run`` (a forward whose outputs are thrown
         away) would launch, and those of ``STEP_KERNELS``; returns the number of modules built. A dry run
         that fails part-way (outputs are garbage while discovering) still compiles what it met.
-        ``gemm_rows``: the row counts the caller's graphs will run GEMMs at; with
-        ``OPENINFER_GEMM_PRELOAD=1`` their cuBLAS kernels (each with every weight shape the dry run
+        ``gemm_rows``: the row counts the caller's graphs will run GEMMs at; unless
+        ``OPENINFER_GEMM_PRELOAD=0`` their cuBLAS kernels (each with every weight shape the dry run
         met) are loaded while the kernels build, not at their first capture."""
         note_event("discovery_started")
-        preload = os.environ.get(GEMM_PRELOAD_ENV, "0").strip() == "1"
+        preload = os.environ.get(GEMM_PRELOAD_ENV, "1").strip() != "0"
         # with the preload the dry run launches no GEMM (its output is garbage anyway): a cuBLAS kernel's first
         # use waits for the whole device, and the dry run met ~20 of them before finding the last kernels
         self._dry_gemms = _GemmRows() if preload else None
