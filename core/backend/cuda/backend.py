@@ -70,13 +70,13 @@ GEMM_PRELOAD_ENV = "OPENINFER_GEMM_PRELOAD"
 
 
 class _GemmRows:
-    """A stand-in for ``Cublas`` in a dry run: records each GEMM's row count, launches nothing."""
+    """A stand-in for ``Cublas`` in a dry run: records each GEMM's (rows, weight), launches nothing."""
 
     def __init__(self) -> None:
-        self.rows: set[int] = set()
+        self.pairs: dict[tuple[int, tuple[int, ...]], cupy.ndarray] = {}
 
     def matmul_nt(self, x: cupy.ndarray, weight: cupy.ndarray, out: cupy.ndarray, accumulate: bool = False) -> None:
-        self.rows.add(int(x.shape[0]))
+        self.pairs.setdefault((int(x.shape[0]), tuple(weight.shape)), weight)
 
 
 def _norm_threads(features: int) -> int:
@@ -216,13 +216,15 @@ class CudaBackend:
                 except Exception:  # noqa: BLE001 — only discovery is lost; the real warm-up follows
                     logger.debug("the kernel-discovery forward stopped early", exc_info=True)
         finally:
-            dry_rows, self._dry_gemms = (self._dry_gemms.rows if self._dry_gemms is not None else set()), None
+            dry_pairs, self._dry_gemms = (self._dry_gemms.pairs if self._dry_gemms is not None else {}), None
         note_event("discovery_done", last=True)
         if preload:
-            # the graphs' captures met ~100 first uses one after the other; here they load while NVRTC runs
-            # (their inputs from the default pool, as eager steps' are: not the caller's, e.g. the graphs' pool)
+            # the graphs' captures met ~100 first uses one after the other; here they load while NVRTC runs:
+            # every graph row count with every weight shape, and the dry run's own (rows, weight) pairs exactly
+            # (its 4k-token rows against the LM head, a GEMM no step runs, would take 1.2 GB for Qwen3-4B);
+            # inputs from the default pool, as eager steps' are (not the caller's, e.g. the graphs' pool)
             with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
-                self.gemm_preloads += self._load_gemms([*gemm_rows, *dry_rows])
+                self.gemm_preloads += self._load_gemms(gemm_rows, dry_pairs)
             note_event("gemms_preloaded", last=True)
         built = compile_kernels([*wanted, *STEP_KERNELS], self.device.id)
         note_event("kernels_compiled", last=True)
@@ -383,17 +385,22 @@ class CudaBackend:
         pair's cuBLAS kernel now, on an idle device); returns how many ran."""
         return self._load_gemms(self.gemm_row_buckets)
 
-    def _load_gemms(self, row_counts: Sequence[int]) -> int:
-        """One GEMM per (row count past the GEMV rows, weight shape seen), on zero inputs (loads
-        each pair's cuBLAS kernel now); returns how many ran."""
+    def _load_gemms(self, row_counts: Sequence[int],
+                    pairs: dict[tuple[int, tuple[int, ...]], cupy.ndarray] | None = None) -> int:
+        """One GEMM per (row count past the GEMV rows, weight shape seen) and per ``pairs`` entry
+        ((rows, weight shape) -> a weight of it), on zero inputs: loads each pair's cuBLAS kernel
+        now; returns how many ran."""
+        todo = dict(pairs or {})
+        for shape, weight in self._gemm_weights.items():
+            for rows in set(int(r) for r in row_counts):
+                todo.setdefault((rows, shape), weight)
         count = 0
-        for (out_features, in_features), weight in self._gemm_weights.items():
-            for rows in sorted(set(int(r) for r in row_counts)):
-                if rows <= GEMV_MAX_ROWS:
-                    continue
-                x = cupy.zeros((rows, in_features), dtype=cupy.uint16)
-                self.blas.matmul_nt(x, weight, cupy.empty((rows, out_features), dtype=cupy.uint16))
-                count += 1
+        for (rows, (out_features, in_features)), weight in sorted(todo.items(), key=lambda item: item[0]):
+            if rows <= GEMV_MAX_ROWS:
+                continue
+            x = cupy.zeros((rows, in_features), dtype=cupy.uint16)
+            self.blas.matmul_nt(x, weight, cupy.empty((rows, out_features), dtype=cupy.uint16))
+            count += 1
         cupy.cuda.get_current_stream().synchronize()
         return count
 
