@@ -277,7 +277,7 @@ def deferred_weights(options: Any) -> Iterator[Any]:
 # kernel compile, before the graphs' warm-up forwards (a restart waited 0.3-0.4 s for the copies there)
 WEIGHTS_JOIN_ENV = "OPENINFER_WEIGHTS_JOIN"
 WEIGHTS_JOIN_POINTS = ("compile", "serve")
-_joining_later = threading.Event()
+_joining_later = threading.local()  # .held: inside weights_joined_later (the thread building an engine)
 
 
 def weights_join_point() -> str:
@@ -290,22 +290,23 @@ def weights_join_point() -> str:
 
 @contextlib.contextmanager
 def weights_joined_later(later: bool = True) -> Iterator[None]:
-    """Within the block (with ``later``), ``wait_for_deferred_weights`` returns at once: the
-    caller joins the copies after it, before the first forward whose results are kept."""
+    """Within the block (with ``later``; this thread only), ``wait_for_deferred_weights`` returns
+    at once: the caller joins the copies after it, before the first forward whose results are kept."""
     if not later:
         yield
         return
-    _joining_later.set()
+    previous = getattr(_joining_later, "held", False)
+    _joining_later.held = True
     try:
         yield
     finally:
-        _joining_later.clear()
+        _joining_later.held = previous
 
 
 def wait_for_deferred_weights() -> float:
     """Join the weight copies a deferred load started (none, or inside ``weights_joined_later``:
     returns at once); seconds waited."""
-    if _joining_later.is_set():
+    if getattr(_joining_later, "held", False):
         return 0.0
     upload = sys.modules.get("openinfer.backend.cuda.weight_upload")
     wait = getattr(upload, "wait_for_deferred_uploads", None)

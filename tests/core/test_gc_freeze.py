@@ -199,3 +199,22 @@ def test_the_start_switch_interval_holds_only_inside_its_block(monkeypatch) -> N
         monkeypatch.setenv("OPENINFER_START_SWITCH_INTERVAL_MS", bad)
         with pytest.raises(OpenInferError, match="OPENINFER_START_SWITCH_INTERVAL_MS"), start_switch_interval():
             pass
+
+
+def test_weights_joined_later_holds_only_the_thread_inside_it(monkeypatch) -> None:
+    """Another thread building its own engine meanwhile still waits for the copies."""
+    import sys
+    import threading
+    import types
+
+    from openinfer.engine_core.startup import wait_for_deferred_weights, weights_joined_later
+
+    waited: list[str] = []
+    module = types.SimpleNamespace(wait_for_deferred_uploads=lambda: waited.append(threading.current_thread().name))
+    monkeypatch.setitem(sys.modules, "openinfer.backend.cuda.weight_upload", module)
+    with weights_joined_later():
+        other = threading.Thread(target=wait_for_deferred_weights, name="other")
+        other.start()
+        other.join(5)
+        wait_for_deferred_weights()
+    assert waited == ["other"]
