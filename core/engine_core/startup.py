@@ -11,7 +11,14 @@ page-cache pages. ``memory_breakdown`` says what the resident set is made of (an
 file-backed / shared), so an RSS figure can be explained.
 
 The supervisor stamps ``OPENINFER_SPAWN_TIME`` (wall clock) into each child's environment, so
-the first phase includes the interpreter start and the ``openinfer`` import.
+the first phase includes the interpreter start and the ``openinfer`` import. Besides the phases
+(consecutive), any thread notes when a start-up event happened (``note_event``: CuPy imported, the
+weight copies done, a kernel module built, ...); ``startup_events`` gives them in order, as seconds
+after the process's start, for the ``--startup-report``'s per-process timeline.
+
+How the engine core's start overlaps itself (each a switch, defaults from s12 D2): the CUDA context
+is made in a thread beside the imports (``OPENINFER_EARLY_CUDA``); the weights' copies run while the
+kernels compile and the graphs are captured (``OPENINFER_DEFERRED_WEIGHTS``, ``OPENINFER_WEIGHTS_JOIN``).
 """
 
 from __future__ import annotations
