@@ -11,7 +11,14 @@ page-cache pages. ``memory_breakdown`` says what the resident set is made of (an
 file-backed / shared), so an RSS figure can be explained.
 
 The supervisor stamps ``OPENINFER_SPAWN_TIME`` (wall clock) into each child's environment, so
-the first phase includes the interpreter start and the ``openinfer`` import.
+the first phase includes the interpreter start and the ``openinfer`` import. Besides the phases
+(consecutive), any thread notes when a start-up event happened (``note_event``: CuPy imported, the
+weight copies done, a kernel module built, ...); ``startup_events`` gives them in order, as seconds
+after the process's start, for the ``--startup-report``'s per-process timeline.
+
+How the engine core's start overlaps itself (each a switch, defaults from s12 D2): the CUDA context
+is made in a thread beside the imports (``OPENINFER_EARLY_CUDA``); the weights' copies run while the
+kernels compile and the graphs are captured (``OPENINFER_DEFERRED_WEIGHTS``, ``OPENINFER_WEIGHTS_JOIN``).
 """
 
 from __future__ import annotations
@@ -135,17 +142,21 @@ def _malloc_trim() -> bool:
     return bool(trim(0)) if trim is not None else False
 
 
-# "1": CuPy's import and the CUDA context start in a thread; "driver": the context alone, made in a thread
-# through the driver API by ctypes, which lets go of the GIL (CuPy's import holds it: the main thread's
-# imports wait meanwhile); "0": the backend makes the context
+# "driver" (default since s12 D2): the context alone, made in a thread through the driver API by ctypes, which
+# lets go of the GIL (H200, served Qwen3-4B: CuPy imported + context made 1.11-1.16 -> 0.73-0.79 s after the
+# core's spawn; with OPENINFER_WEIGHTS_JOIN=serve and OPENINFER_GEMM_PRELOAD=1 a cold start 2.87 / 3.02 ->
+# 2.58 / 2.72 s, a restart 2.65 / 2.97 -> 2.05 / 2.43 s, results/served_start_s12d2_h200.json); "1": CuPy's
+# import and the context in a thread (CuPy's import holds the GIL: the main thread's imports wait meanwhile);
+# "0": the backend makes the context
 EARLY_CUDA_ENV = "OPENINFER_EARLY_CUDA"
 EARLY_CUDA_MODES = ("0", "1", "driver")
+DEFAULT_EARLY_CUDA = "driver"
 
 
 def early_cuda_mode() -> str:
-    """``OPENINFER_EARLY_CUDA`` ("0" when unset); anything but ``EARLY_CUDA_MODES`` is an error
-    (the engine core reports it and exits 2, as for a bad option)."""
-    mode = os.environ.get(EARLY_CUDA_ENV, "0").strip().lower() or "0"
+    """``OPENINFER_EARLY_CUDA`` (``DEFAULT_EARLY_CUDA`` when unset); anything but ``EARLY_CUDA_MODES``
+    is an error (the engine core reports it and exits 2, as for a bad option)."""
+    mode = os.environ.get(EARLY_CUDA_ENV, DEFAULT_EARLY_CUDA).strip().lower() or DEFAULT_EARLY_CUDA
     if mode not in EARLY_CUDA_MODES:
         raise OpenInferError(f"{EARLY_CUDA_ENV}={mode!r}: expected one of {', '.join(EARLY_CUDA_MODES)}")
     return mode
@@ -220,7 +231,7 @@ def start_cuda_early() -> threading.Thread:
     global _early_cuda
     if _early_cuda is not None:
         return _early_cuda
-    by_driver = os.environ.get(EARLY_CUDA_ENV, "").strip().lower() == "driver"
+    by_driver = early_cuda_mode() == "driver"
 
     def init() -> None:
         try:
@@ -266,18 +277,19 @@ def deferred_weights(options: Any) -> Iterator[Any]:
         yield copies
 
 
-# when the engine joins a deferred load's weight copies: "compile" (default, as since s9 D2) after the kernel
-# compile, before the graphs' warm-up forwards; "serve" just before it serves: the graph capture and the
-# prefill warm-up (whose outputs are thrown away; they read the weights only as garbage) run beside the
-# copies, in a relaxed-mode capture that other threads' copies do not disturb
+# when the engine joins a deferred load's weight copies: "serve" (default since s12 D2, with the driver's early
+# context and the GEMM preload: see EARLY_CUDA_ENV) just before it serves: the graph capture and the prefill
+# warm-up (whose outputs are thrown away; they read the weights only as garbage) run beside the copies, in a
+# relaxed-mode capture that other threads' copies do not disturb; "compile" (as since s9 D2) after the
+# kernel compile, before the graphs' warm-up forwards (a restart waited 0.3-0.4 s for the copies there)
 WEIGHTS_JOIN_ENV = "OPENINFER_WEIGHTS_JOIN"
 WEIGHTS_JOIN_POINTS = ("compile", "serve")
-_joining_later = threading.Event()
+_joining_later = threading.local()  # .held: inside weights_joined_later (the thread building an engine)
 
 
 def weights_join_point() -> str:
-    """``OPENINFER_WEIGHTS_JOIN`` ("compile" when unset); anything else is a clear start-up error."""
-    point = os.environ.get(WEIGHTS_JOIN_ENV, "compile").strip().lower() or "compile"
+    """``OPENINFER_WEIGHTS_JOIN`` ("serve" when unset); anything else is a clear start-up error."""
+    point = os.environ.get(WEIGHTS_JOIN_ENV, "serve").strip().lower() or "serve"
     if point not in WEIGHTS_JOIN_POINTS:
         raise OpenInferError(f"{WEIGHTS_JOIN_ENV}={point!r}: expected one of {', '.join(WEIGHTS_JOIN_POINTS)}")
     return point
@@ -285,22 +297,23 @@ def weights_join_point() -> str:
 
 @contextlib.contextmanager
 def weights_joined_later(later: bool = True) -> Iterator[None]:
-    """Within the block (with ``later``), ``wait_for_deferred_weights`` returns at once: the
-    caller joins the copies after it, before the first forward whose results are kept."""
+    """Within the block (with ``later``; this thread only), ``wait_for_deferred_weights`` returns
+    at once: the caller joins the copies after it, before the first forward whose results are kept."""
     if not later:
         yield
         return
-    _joining_later.set()
+    previous = getattr(_joining_later, "held", False)
+    _joining_later.held = True
     try:
         yield
     finally:
-        _joining_later.clear()
+        _joining_later.held = previous
 
 
 def wait_for_deferred_weights() -> float:
     """Join the weight copies a deferred load started (none, or inside ``weights_joined_later``:
     returns at once); seconds waited."""
-    if _joining_later.is_set():
+    if getattr(_joining_later, "held", False):
         return 0.0
     upload = sys.modules.get("openinfer.backend.cuda.weight_upload")
     wait = getattr(upload, "wait_for_deferred_uploads", None)
@@ -313,7 +326,8 @@ def wait_for_deferred_weights() -> float:
 
 # milliseconds of the GIL's switch interval while the engine core starts (unset: Python's 5 ms throughout).
 # While the main thread runs Python (dry forwards, graph capture), a weight-copy or kernel-build thread
-# back from a C call waits up to one interval for the GIL, several times a chunk or module
+# back from a C call waits up to one interval for the GIL, several times a chunk or module. s12 D2, 1 ms,
+# one run: served cold start 2.96 vs 2.58 / 2.72 s without, restart 2.73 vs 2.05 / 2.43; opt-in
 START_SWITCH_INTERVAL_ENV = "OPENINFER_START_SWITCH_INTERVAL_MS"
 
 

@@ -42,8 +42,10 @@ def test_early_cuda_runs_only_for_one_gpu_at_device_zero(monkeypatch) -> None:
     from openinfer.engine_core import startup
     from openinfer.engine_core.startup import early_cuda_from_argv, early_cuda_wanted, start_cuda_early
 
-    monkeypatch.delenv("OPENINFER_EARLY_CUDA", raising=False)
+    monkeypatch.setenv("OPENINFER_EARLY_CUDA", "0")
     assert not early_cuda_wanted({"device": "cuda"})
+    monkeypatch.delenv("OPENINFER_EARLY_CUDA", raising=False)  # the default: by the driver
+    assert early_cuda_wanted({"device": "cuda"})
     monkeypatch.setenv("OPENINFER_EARLY_CUDA", "1")
     assert early_cuda_wanted({}) and early_cuda_wanted({"device": "cuda", "tensor_parallel_size": 1})
     assert not early_cuda_wanted({"device": "cpu"}) and not early_cuda_wanted({"device": "cuda:1"})
@@ -169,9 +171,9 @@ def test_weights_joined_later_hold_the_wait_until_the_block_ends(monkeypatch) ->
     wait_for_deferred_weights()
     assert waited == [True, True]
     monkeypatch.delenv("OPENINFER_WEIGHTS_JOIN", raising=False)
+    assert weights_join_point() == "serve"  # the default since s12 D2
+    monkeypatch.setenv("OPENINFER_WEIGHTS_JOIN", "compile")
     assert weights_join_point() == "compile"
-    monkeypatch.setenv("OPENINFER_WEIGHTS_JOIN", "serve")
-    assert weights_join_point() == "serve"
     monkeypatch.setenv("OPENINFER_WEIGHTS_JOIN", "never")
     with pytest.raises(OpenInferError, match="OPENINFER_WEIGHTS_JOIN"):
         weights_join_point()
@@ -197,3 +199,22 @@ def test_the_start_switch_interval_holds_only_inside_its_block(monkeypatch) -> N
         monkeypatch.setenv("OPENINFER_START_SWITCH_INTERVAL_MS", bad)
         with pytest.raises(OpenInferError, match="OPENINFER_START_SWITCH_INTERVAL_MS"), start_switch_interval():
             pass
+
+
+def test_weights_joined_later_holds_only_the_thread_inside_it(monkeypatch) -> None:
+    """Another thread building its own engine meanwhile still waits for the copies."""
+    import sys
+    import threading
+    import types
+
+    from openinfer.engine_core.startup import wait_for_deferred_weights, weights_joined_later
+
+    waited: list[str] = []
+    module = types.SimpleNamespace(wait_for_deferred_uploads=lambda: waited.append(threading.current_thread().name))
+    monkeypatch.setitem(sys.modules, "openinfer.backend.cuda.weight_upload", module)
+    with weights_joined_later():
+        other = threading.Thread(target=wait_for_deferred_weights, name="other")
+        other.start()
+        other.join(5)
+        wait_for_deferred_weights()
+    assert waited == ["other"]

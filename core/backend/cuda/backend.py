@@ -39,6 +39,7 @@ from openinfer.backend.cuda.linear import (
 from openinfer.backend.cuda.loader import (
     compile_kernels,
     discover_kernels,
+    discovering,
     kernel,
     mark_serving,
     start_compiling,
@@ -63,9 +64,21 @@ STEP_KERNELS = (("sampling.cu", "sample_rows", ()), ("logit_constraints.cu", "ap
                 ("static_batch.cu", "scatter_int32", ()), ("static_batch.cu", "copy_token_sources", ()))
 
 
-# "1": the graphs' cuBLAS kernels (every capture row count x weight shape) are loaded while the start-up's
-# kernels build (``precompile_kernels(gemm_rows=...)``), not one by one in the captures
+# "1" (default since s12 D2, with OPENINFER_EARLY_CUDA=driver and OPENINFER_WEIGHTS_JOIN=serve: see
+# openinfer.engine_core.startup): the graphs' cuBLAS kernels (every capture row count x weight shape) are
+# loaded while the start-up's kernels build (``precompile_kernels(gemm_rows=...)``), not one by one in the
+# captures, and the discovery's dry runs launch no GEMM (their row counts join the load); "0": as before
 GEMM_PRELOAD_ENV = "OPENINFER_GEMM_PRELOAD"
+
+
+class _GemmRows:
+    """A stand-in for ``Cublas`` in a dry run: records each GEMM's (rows, weight), launches nothing."""
+
+    def __init__(self) -> None:
+        self.pairs: dict[tuple[int, tuple[int, ...]], cupy.ndarray] = {}
+
+    def matmul_nt(self, x: cupy.ndarray, weight: cupy.ndarray, out: cupy.ndarray, accumulate: bool = False) -> None:
+        self.pairs.setdefault((int(x.shape[0]), tuple(weight.shape)), weight)
 
 
 def _norm_threads(features: int) -> int:
@@ -148,6 +161,7 @@ class CudaBackend:
         self._gemm_weights: dict[tuple[int, int], cupy.ndarray] = {}  # weight shape -> a weight of it
         self.gemm_warmups = 0  # bucket GEMMs set_gemm_row_buckets ran
         self.gemm_preloads = 0  # GEMMs precompile_kernels ran to load the graphs' cuBLAS kernels early
+        self._dry_gemms: _GemmRows | None = None  # while a preloading discovery runs: its GEMMs' row counts
         # decode rows (M = 1): RMSNorm fused into the next projection's GEMV, SiLU·mul into
         # down-proj's (bit-identical results). Off unless OPENINFER_FUSED_DECODE=1: the first design
         # (one tile per block) took bs=1 decode from 3.29 to 4.26 ms on an H200 (benchmarks/GPU.md);
@@ -189,20 +203,30 @@ class CudaBackend:
         """Compile, in parallel, every kernel ``dry_run`` (a forward whose outputs are thrown
         away) would launch, and those of ``STEP_KERNELS``; returns the number of modules built. A dry run
         that fails part-way (outputs are garbage while discovering) still compiles what it met.
-        ``gemm_rows``: the row counts the caller's graphs will run GEMMs at; with
-        ``OPENINFER_GEMM_PRELOAD=1`` their cuBLAS kernels (each with every weight shape the dry run
+        ``gemm_rows``: the row counts the caller's graphs will run GEMMs at; unless
+        ``OPENINFER_GEMM_PRELOAD=0`` their cuBLAS kernels (each with every weight shape the dry run
         met) are loaded while the kernels build, not at their first capture."""
         note_event("discovery_started")
-        with discover_kernels(self.device.id) as wanted:  # each kernel's build starts when it is found
-            try:
-                dry_run()
-            except Exception:  # noqa: BLE001 — only discovery is lost; the real warm-up follows
-                logger.debug("the kernel-discovery forward stopped early", exc_info=True)
+        preload = os.environ.get(GEMM_PRELOAD_ENV, "1").strip() != "0"
+        # with the preload the dry run launches no GEMM (its output is garbage anyway): a cuBLAS kernel's first
+        # use waits for the whole device, and the dry run met ~20 of them before finding the last kernels
+        self._dry_gemms = _GemmRows() if preload else None
+        try:
+            with discover_kernels(self.device.id) as wanted:  # each kernel's build starts when it is found
+                try:
+                    dry_run()
+                except Exception:  # noqa: BLE001 — only discovery is lost; the real warm-up follows
+                    logger.debug("the kernel-discovery forward stopped early", exc_info=True)
+        finally:
+            dry_pairs, self._dry_gemms = (self._dry_gemms.pairs if self._dry_gemms is not None else {}), None
         note_event("discovery_done", last=True)
-        if gemm_rows and os.environ.get(GEMM_PRELOAD_ENV, "0").strip() == "1":
-            # a cuBLAS kernel loads at its first use and then waits for the whole device: the graphs'
-            # captures met ~100 of them one after the other; here they load while NVRTC runs
-            self.gemm_preloads = self._load_gemms(gemm_rows)
+        if preload:
+            # the graphs' captures met ~100 first uses one after the other; here they load while NVRTC runs:
+            # every graph row count with every weight shape, and the dry run's own (rows, weight) pairs exactly
+            # (its 4k-token rows against the LM head, a GEMM no step runs, would take 1.2 GB for Qwen3-4B);
+            # inputs from the default pool, as eager steps' are (not the caller's, e.g. the graphs' pool)
+            with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+                self.gemm_preloads += self._load_gemms(gemm_rows, dry_pairs)
             note_event("gemms_preloaded", last=True)
         built = compile_kernels([*wanted, *STEP_KERNELS], self.device.id)
         note_event("kernels_compiled", last=True)
@@ -333,7 +357,11 @@ class CudaBackend:
     def linear(self, x: cupy.ndarray, weight: CudaLinear) -> cupy.ndarray:
         if not self.gemm_row_buckets:  # until set_gemm_row_buckets: the weight shapes it loads kernels for
             self._gemm_weights.setdefault(tuple(weight.weight.shape), weight.weight)
-        return linear(_bf16(x, "linear input"), weight, self.blas, self.use_gemv, self.gemm_row_buckets)
+        return linear(_bf16(x, "linear input"), weight, self._blas(), self.use_gemv, self.gemm_row_buckets)
+
+    def _blas(self) -> Cublas | _GemmRows:
+        """cuBLAS, or in a preloading discovery's dry run the recorder of its GEMMs' row counts."""
+        return self._dry_gemms if self._dry_gemms is not None and discovering() else self.blas
 
     def set_gemm_row_buckets(self, buckets: Sequence[int]) -> None:
         """Row counts whose cuBLAS kernels are loaded (the CUDA graphs' buckets, after capture):
@@ -359,17 +387,22 @@ class CudaBackend:
         pair's cuBLAS kernel now, on an idle device); returns how many ran."""
         return self._load_gemms(self.gemm_row_buckets)
 
-    def _load_gemms(self, row_counts: Sequence[int]) -> int:
-        """One GEMM per (row count past the GEMV rows, weight shape seen), on zero inputs (loads
-        each pair's cuBLAS kernel now); returns how many ran."""
+    def _load_gemms(self, row_counts: Sequence[int],
+                    pairs: dict[tuple[int, tuple[int, ...]], cupy.ndarray] | None = None) -> int:
+        """One GEMM per (row count past the GEMV rows, weight shape seen) and per ``pairs`` entry
+        ((rows, weight shape) -> a weight of it), on zero inputs: loads each pair's cuBLAS kernel
+        now; returns how many ran."""
+        todo = dict(pairs or {})
+        for shape, weight in self._gemm_weights.items():
+            for rows in set(int(r) for r in row_counts):
+                todo.setdefault((rows, shape), weight)
         count = 0
-        for (out_features, in_features), weight in self._gemm_weights.items():
-            for rows in sorted(set(int(r) for r in row_counts)):
-                if rows <= GEMV_MAX_ROWS:
-                    continue
-                x = cupy.zeros((rows, in_features), dtype=cupy.uint16)
-                self.blas.matmul_nt(x, weight, cupy.empty((rows, out_features), dtype=cupy.uint16))
-                count += 1
+        for (rows, (out_features, in_features)), weight in sorted(todo.items(), key=lambda item: item[0]):
+            if rows <= GEMV_MAX_ROWS:
+                continue
+            x = cupy.zeros((rows, in_features), dtype=cupy.uint16)
+            self.blas.matmul_nt(x, weight, cupy.empty((rows, out_features), dtype=cupy.uint16))
+            count += 1
         cupy.cuda.get_current_stream().synchronize()
         return count
 
@@ -412,7 +445,7 @@ class CudaBackend:
                 or not accumulates(rows, layer, self.use_gemv, self.gemm_row_buckets)):
             return False  # checked before any work: False means nothing was launched
         x = self.silu_mul(x) if silu_mul else _bf16(x, "linear_residual input")
-        return linear_accumulate(x, layer, residual, self.blas, self.use_gemv, self.gemm_row_buckets)
+        return linear_accumulate(x, layer, residual, self._blas(), self.use_gemv, self.gemm_row_buckets)
 
     def silu_mul(self, gate_up: cupy.ndarray) -> cupy.ndarray:
         gate_up = _bf16(gate_up, "silu_mul input")

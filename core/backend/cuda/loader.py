@@ -429,6 +429,11 @@ def discover_kernels(device_id: int | None = None) -> Iterator[set[KernelKey]]:
         _discovery.found, _discovery.device_id = previous
 
 
+def discovering() -> bool:
+    """Whether this thread is inside ``discover_kernels`` (a dry run: nothing launches)."""
+    return getattr(_discovery, "found", None) is not None
+
+
 def module_label(source: str, defines: tuple[tuple[str, int], ...], arch: str | None = None,
                  kernels: tuple[str, ...] | None = None) -> str:
     """``source[NAME=value,...]@arch:kernel,...``: one compiled module's name in logs and reports
@@ -540,6 +545,8 @@ def _build(module: tuple[Any, ...], keys: list[KernelKey], mode: str) -> None:
             _kernel(source, name, defines)
     module_compile_seconds[_label(module)] = time.perf_counter() - began
     note_event("last_kernel_build_done", last=True)
+    if mode == "kernel":  # when each one-kernel module was ready (the start-up report's timeline)
+        note_event(f"built {module[0]}:{module[-1][0]}")
 
 
 # kernels whose builds started before anyone waited for them (start_compiling); one pool per device
