@@ -1155,6 +1155,7 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "decode_pdl": "programmatic dependent launch of the one-row GEMVs, decode routers and lane-groups INT4 GEMV "
                   "($OPENINFER_DECODE_PDL=1)",
     "shared_after_route": "the shared expert's side stream forked after the routing ($OPENINFER_MOE_SHARED_AFTER_ROUTE=1)",
+    "gemv_deep": "one-row GEMVs of long rows in small grids (qkv_a) by gemv_m1_deep ($OPENINFER_GEMV_DEEP=1)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1266,7 +1267,8 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "rms_scaled": ("OPENINFER_RMS_SCALED_GEMV", "1"),
                 "oproj_prefetch": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "32"),
                 "decode_pdl": ("OPENINFER_DECODE_PDL", "1"),
-                "shared_after_route": (cuda_moe.SHARED_AFTER_ROUTE_ENV, "1")}
+                "shared_after_route": (cuda_moe.SHARED_AFTER_ROUTE_ENV, "1"),
+                "gemv_deep": ("OPENINFER_GEMV_DEEP", "1")}
     for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
         os.environ.pop(env, None)
     for option, (env, value) in switches.items():
