@@ -175,6 +175,12 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "groups_d6": {"GROUPS_DEPTH": 6, "GROUPS_MIN_BLOCKS": 3},
     "groups_p2": {"GROUPS_DEPTH": 2, "GROUPS_PAIRS": 2, "GROUPS_MIN_BLOCKS": 3},
     "groups_norot": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0},
+    # ... a chunk's 16 mma in 2 / 4 independent accumulator chains (GROUPS_ACC_CHAINS: the -136 mma apart, and by
+    # step parity), summed at the chunk's end: a warp's dependent mma latency per chunk halved / quartered; fp32
+    # rounding apart from one chain. Opt-in until measured (OPENINFER_MOE_GEMV=groups_norot_acc2 forces it).
+    "groups_norot_acc2": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0, "GROUPS_ACC_CHAINS": 2},
+    "groups_acc2": {"GROUPS_DEPTH": 4, "GROUPS_ACC_CHAINS": 2},
+    "groups_norot_acc4": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0, "GROUPS_ACC_CHAINS": 4},
     # the chunk ring in shared memory, GROUPS_STAGES deep (cp.async; D1: the register ring's 3 chunks in flight
     # per warp left the batch-1 GEMVs at 59-74 % of HBM): 161 instructions per KB, 86 registers, 40 KB per block.
     # Opt-in, slower: D2 (H200, results/kimi_gemv_int4d_d2_h200.json) gate_up / down at 1 token 49.6 / 32.8 (s8), 52.9 / 33.6
