@@ -397,15 +397,15 @@ ROUTE_WARPS_ENV, ROUTE_WARPS = "OPENINFER_MOE_ROUTE_WARPS", 8  # moe_routing.cu 
 ROUTE_SORT_ENV, ROUTE_SORT_MAX_TOKENS, ROUTE_SORT_DEFAULT_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT", 64, 1
 ROUTE_SORT_THREADS, ROUTE_SORT_MAX_SLOTS = 512, 2048  # moe_routing.cu ROUTE_SORT_WARPS x 32, ROUTE_SORT_MAX_SLOTS
 # Decode steps of at most ROUTER_BLOCKS_MAX_TOKENS tokens (moe_routing.cu): OPENINFER_MOE_ROUTER_BLOCKS=1 computes
-# the router logits with a block per expert (moe_router_logits_blocks: the block's threads split the hidden row,
-# ~ROUTER_BLOCKS_CHUNKS 16-byte loads each), where moe_router_logits has a warp per token and expert walk the whole
-# row (Kimi-K2 at one token: 48 blocks, 28 serial loads a lane; 9.2 us for 5.5 MB, s11 D3).
+# the router logits with a block per expert (moe_router_logits_blocks: the block's ROUTE_SORT_THREADS threads split
+# the hidden row, ~2 16-byte loads each at Kimi-K2's 7168), where moe_router_logits has a warp per token and expert
+# walk the whole row (Kimi-K2 at one token: 48 blocks, 28 serial loads a lane; 9.2 us for 5.5 MB, s11 D3).
 # OPENINFER_MOE_ROUTER_FUSED=1: ``route_and_group`` in one launch, moe_router_route_sort (those logits, then the
 # last block to finish runs moe_route_sort's body), its ticket counter zeroed per call (a memset node in a graph:
 # no state shared across streams or graphs; the deleted moe_decode.cu kept one counter per device).
 # Opt-in until measured on the device.
 ROUTER_BLOCKS_ENV, ROUTER_FUSED_ENV = "OPENINFER_MOE_ROUTER_BLOCKS", "OPENINFER_MOE_ROUTER_FUSED"
-ROUTER_BLOCKS_MAX_TOKENS, ROUTER_BLOCKS_CHUNKS = 4, 2  # moe_routing.cu ROUTER_BLOCKS_MAX_TOKENS
+ROUTER_BLOCKS_MAX_TOKENS = 4  # moe_routing.cu ROUTER_BLOCKS_MAX_TOKENS
 DEFAULT_ROUTER_BLOCKS, DEFAULT_ROUTER_FUSED = False, False
 GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
@@ -600,14 +600,6 @@ def router_fused_wanted(x: cupy.ndarray, gate: cupy.ndarray) -> bool:
             and int(x.shape[1]) % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0)
 
 
-def router_blocks_threads(hidden: int, most: int = 1024) -> int:
-    """Threads of a moe_router_logits_blocks block: ~ROUTER_BLOCKS_CHUNKS 16-byte chunks of the row each, a
-    multiple of 32 within [32, most]."""
-    chunks = -(-hidden // 8)
-    threads = -(-chunks // ROUTER_BLOCKS_CHUNKS)
-    return max(32, min(most, -(-threads // 32) * 32))
-
-
 def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice | None:
     """``group_by_expert(*route(x, ...))`` of ``layer`` in two launches: router_logits, then moe_route_sort
     (the same ids and weights as moe_route_warps, moe_sort_parallel's offsets and tile list; each expert's
@@ -685,7 +677,8 @@ def router_logits(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
            (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits), shared_mem=shared)
         return logits
     if mma is None and router_blocks_wanted(num_tokens):  # a block per expert (see ROUTER_BLOCKS_ENV)
-        launch_decode("moe_routing.cu", "moe_router_logits_blocks", (spec.num_experts,), (router_blocks_threads(hidden),),
+        # blocks of moe_router_route_sort's size: the same sums, so both give the same logits (and routes)
+        launch_decode("moe_routing.cu", "moe_router_logits_blocks", (spec.num_experts,), (ROUTE_SORT_THREADS,),
                       (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits))
         return logits
     kernel("moe.cu", "moe_router_logits")(
