@@ -171,6 +171,9 @@ def test_router_blocks_and_fused_route_match_numpy(cuda_backend, rng, monkeypatc
     monkeypatch.setenv(moe.ROUTER_FUSED_ENV, "0")  # blocks logits (the fused kernel's block size) + moe_route_sort
     two = check(moe.route_and_group(x_device, layer))
     assert all(np.array_equal(a, b) for a, b in zip(two, first, strict=True))
+    monkeypatch.setenv(moe.ROUTE_SORT_WARP_ENV, "1")  # moe_route_sort in one warp (at 1-2 tokens)
+    assert all(np.array_equal(a, b) for a, b in zip(check(moe.route_and_group(x_device, layer)), first, strict=True))
+    monkeypatch.setenv(moe.ROUTE_SORT_WARP_ENV, "0")
     monkeypatch.setenv(moe.ROUTER_FUSED_ENV, "1")
     for _ in range(2):
         again = check(moe.route_and_group(x_device, layer))

@@ -407,6 +407,11 @@ ROUTE_SORT_THREADS, ROUTE_SORT_MAX_SLOTS = 512, 2048  # moe_routing.cu ROUTE_SOR
 ROUTER_BLOCKS_ENV, ROUTER_FUSED_ENV = "OPENINFER_MOE_ROUTER_BLOCKS", "OPENINFER_MOE_ROUTER_FUSED"
 ROUTER_BLOCKS_MAX_TOKENS = 4  # moe_routing.cu ROUTER_BLOCKS_MAX_TOKENS
 DEFAULT_ROUTER_BLOCKS, DEFAULT_ROUTER_FUSED = False, False
+# OPENINFER_MOE_ROUTE_SORT_WARP=1 (opt-in, unmeasured): moe_route_sort at 1-2 tokens as one warp (each lane a run of
+# experts in the grouping's scan) instead of a block of ROUTE_SORT_THREADS: ~3K registers instead of ~46K, so it
+# can start beside the shared experts' GEMV blocks (s12 D2 timeline at b1: the 512-thread block waited ~6 us for
+# an SM with room, then ran 15-19 us; alone 14 us). The same ids, weights and layout.
+ROUTE_SORT_WARP_ENV, ROUTE_SORT_WARP_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT_WARP", 2
 GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
 GROUPING_METHODS = ("single", "blocks", "chunks")
@@ -630,7 +635,8 @@ def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice |
             grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
             grouping.num_tiles, np.int32(tiles)), **defines)
         return grouping
-    launch_decode("moe_routing.cu", "moe_route_sort", (1,), (ROUTE_SORT_THREADS,), (
+    one_warp = num_tokens <= ROUTE_SORT_WARP_MAX_TOKENS and _switch(ROUTE_SORT_WARP_ENV)
+    launch_decode("moe_routing.cu", "moe_route_sort", (1,), (32 if one_warp else ROUTE_SORT_THREADS,), (
         logits, NULL if layer.correction_bias is None else layer.correction_bias, np.int32(num_tokens),
         np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
         np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights,
