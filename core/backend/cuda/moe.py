@@ -831,6 +831,12 @@ def layout_gemv(weight: ExpertLinear, name: str | None, gemv_kernel: str | None 
     return name
 
 
+# DECODE_PDL 2 (the down GEMV's first weight chunks before griddepcontrol.wait): off — s12 D2's GPU test
+# (test_decode_pdl_same_bits, OPENINFER_MOE_GEMV_SILU=1: down right after the fused gate_up) found graph replays
+# differing from eager runs; mode 1 (wait at entry) everywhere until that is understood.
+PDL_WEIGHTS_FIRST = False
+
+
 def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, name: str,
                  tables_ready: bool = False) -> None:
     """GEMV kernel ``name`` (moe_gemv / moe_gemv_wide / moe_gemv_mma) over ``grid_rows`` tiles
@@ -849,7 +855,8 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
             if row_blocks > 1:
                 defines = {**defines, "GROUPS_ROW_BLOCKS": row_blocks}
             launch_decode("moe_int4.cu", "moe_gemv_int4_groups", (-(-column_blocks // row_blocks), grid_rows or 1),
-                          (MMA_GEMV_WARPS * 32,), args, pdl_mode=2 if tables_ready else 1, **defines)
+                          (MMA_GEMV_WARPS * 32,), args, pdl_mode=2 if tables_ready and PDL_WEIGHTS_FIRST else 1,
+                          **defines)
             return
         defines = {"MMA_GEMV_NTILES": 2}  # other layouts: moe_gemv_mma
         name = "mma"
