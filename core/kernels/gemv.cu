@@ -30,6 +30,42 @@ __device__ __forceinline__ void words_to_floats8(const uint4& u, float* f) {
     }
 }
 
+// One pass of UNROLL 16-byte steps from k (those below K): every weight word loaded first (raw: few registers),
+// then (WAIT: DECODE_PDL's decode_pdl_wait and launch_dependents) each step's x and FMAs, in k order.
+template <int ROWS, int COLS, int UNROLL, bool WAIT>
+__device__ __forceinline__ void gemv_raw_pass(const bf16* __restrict__ x, const bf16* const (&wrow)[COLS],
+                                              float (&acc)[ROWS][COLS], int M, int K, int k) {
+    constexpr int STEP = 32 * 8;
+    uint4 raw[UNROLL][COLS];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+        if (k + u * STEP < K)
+#pragma unroll
+            for (int c = 0; c < COLS; ++c) raw[u][c] = *reinterpret_cast<const uint4*>(wrow[c] + k + u * STEP);
+    if constexpr (WAIT) {
+        decode_pdl_wait();
+        decode_pdl_launch_dependents();  // after the wait: a dependent may read what the kernel before wrote
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        if (k + u * STEP >= K) break;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (r < M) {
+                float xf[8];
+                load8(x + (size_t)r * K + k + u * STEP, xf);
+#pragma unroll
+                for (int c = 0; c < COLS; ++c) {
+                    float wf[8];
+                    words_to_floats8(raw[u][c], wf);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[r][c] += xf[i] * wf[i];
+                }
+            }
+        }
+    }
+}
+
 // Tile `tile` of the output: columns [tile * WARPS_PER_BLOCK * COLS, +WARPS_PER_BLOCK * COLS).
 // PDL (DECODE_PDL, gemv_m1): the first pass's weight loads issue before decode_pdl_wait (decode_pdl.cuh).
 template <int ROWS, int COLS, int UNROLL, bool PDL = false>
@@ -50,32 +86,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
     constexpr int STEP = 32 * 8;
     int k = lane * 8;
     if constexpr (PDL) {  // the first pass's weights (raw words: few registers) in flight, then the wait, then x
-        uint4 raw[UNROLL][COLS];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-            if (k + u * STEP < K)
-#pragma unroll
-                for (int c = 0; c < COLS; ++c) raw[u][c] = *reinterpret_cast<const uint4*>(wrow[c] + k + u * STEP);
-        decode_pdl_wait();
-        decode_pdl_launch_dependents();  // after the wait: a dependent may read what the kernel before wrote
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            if (k + u * STEP >= K) break;
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                if (r < M) {
-                    float xf[8];
-                    load8(x + (size_t)r * K + k + u * STEP, xf);
-#pragma unroll
-                    for (int c = 0; c < COLS; ++c) {
-                        float wf[8];
-                        words_to_floats8(raw[u][c], wf);
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) acc[r][c] += xf[i] * wf[i];
-                    }
-                }
-            }
-        }
+        gemv_raw_pass<ROWS, COLS, UNROLL, true>(x, wrow, acc, M, K, k);
         k += UNROLL * STEP;  // each lane's k still in increasing order: the bits of the plain kernel
     }
     for (; k + (UNROLL - 1) * STEP < K; k += UNROLL * STEP) {
@@ -176,6 +187,28 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
 
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m1(GEMV_ARGS) {
     gemv_tile<1, 1, GEMV_M1_UNROLL, DECODE_PDL != 0>(x, w, bias, y, M, N, K, blockIdx.x);
+}
+
+// gemv_m1_deep: gemv_m1 for long rows in a grid of at most ~2 blocks an SM (Kimi-K2's qkv_a, 2112 x 7168: 264
+// blocks, 28 16-byte steps a lane in 4 passes of 8, each a round trip to HBM with few warps to hide it): passes of
+// GEMV_DEEP_UNROLL raw words (16: two round trips), converted at use. Each lane's k in order: gemv_m1's bits.
+// Opt-in (linear.DEEP_GEMV_ENV).
+#ifndef GEMV_DEEP_UNROLL
+#define GEMV_DEEP_UNROLL 16
+#endif
+extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m1_deep(GEMV_ARGS) {
+    constexpr int STEP = 32 * 8;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n = blockIdx.x * WARPS_PER_BLOCK + warp;
+    if (n >= N) return;
+    const bf16* const wrow[1] = {w + (size_t)n * K};
+    float acc[1][1] = {{0.f}};
+    int k = lane * 8;
+    gemv_raw_pass<1, 1, GEMV_DEEP_UNROLL, DECODE_PDL != 0>(x, wrow, acc, 1, K, k);
+    for (k += GEMV_DEEP_UNROLL * STEP; k < K; k += GEMV_DEEP_UNROLL * STEP)
+        gemv_raw_pass<1, 1, GEMV_DEEP_UNROLL, false>(x, wrow, acc, 1, K, k);
+    const float sum = warp_sum(acc[0][0]);
+    if (lane == 0) y[n] = __float2bfloat16_rn(sum + (bias != nullptr ? __bfloat162float(bias[n]) : 0.f));
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m2(GEMV_ARGS) {

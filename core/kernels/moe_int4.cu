@@ -58,6 +58,12 @@
 #ifndef GROUPS_KSPLIT
 #define GROUPS_KSPLIT 1  // warps of a block sharing one row block, each over a slice of K (shared-memory ring only)
 #endif
+#ifndef GROUPS_ACC_CHAINS
+#define GROUPS_ACC_CHAINS 1  // independent mma accumulator chains a chunk (1, 2 or 4; see groups_chunk)
+#endif
+#if GROUPS_ACC_CHAINS != 1 && GROUPS_ACC_CHAINS != 2 && GROUPS_ACC_CHAINS != 4
+#error "GROUPS_ACC_CHAINS must be 1, 2 or 4"
+#endif
 #ifndef GROUPS_ROW_BLOCKS
 #define GROUPS_ROW_BLOCKS 1  // column blocks per block: blockIdx.x, + gridDim.x, ... (the host's grid x: ceil(blocks / this))
 #endif                       // so a short-K projection of many row blocks (Kimi-K2's down) runs as one wave
@@ -229,11 +235,15 @@ __device__ __forceinline__ void groups_chunk(float (&acc)[GROUPS_PAIRS][4], cons
                                              const uint4 (&xv)[GROUPS_PAIRS][4], const unsigned (&neg136)[4],
                                              unsigned magic) {
     const unsigned lo[4] = {c.lo.x, c.lo.y, c.lo.z, c.lo.w}, hi[4] = {c.hi.x, c.hi.y, c.hi.z, c.hi.w};
-    float sum[GROUPS_PAIRS][4];
+    // GROUPS_ACC_CHAINS independent accumulator sets (1: one chain of 16 dependent mma a chunk; 2: the -136 mma
+    // apart from the weights' (two chains of 8); 4: each also split by h (four of 4)), added at the chunk's end
+    float sum[GROUPS_ACC_CHAINS][GROUPS_PAIRS][4];
 #pragma unroll
-    for (int p = 0; p < GROUPS_PAIRS; ++p)
+    for (int a = 0; a < GROUPS_ACC_CHAINS; ++a)
 #pragma unroll
-        for (int v = 0; v < 4; ++v) sum[p][v] = 0.f;
+        for (int p = 0; p < GROUPS_PAIRS; ++p)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) sum[a][p][v] = 0.f;
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
 #pragma unroll
@@ -248,19 +258,27 @@ __device__ __forceinline__ void groups_chunk(float (&acc)[GROUPS_PAIRS][4], cons
                 const unsigned x[4] = {xv[p][w].x, xv[p][w].y, xv[p][w].z, xv[p][w].w};
                 // x[8w + 2h], x[8w + 2h + 4] | x[8w + 2h + 1], x[8w + 2h + 5]
                 const unsigned b0 = groups_low_halves(x[h], x[h + 2]), b1 = groups_high_halves(x[h], x[h + 2]);
-                mma_bf16_16816(sum[p], neg136, b0, b1);
-                mma_bf16_16816(sum[p], a, b0, b1);
+                constexpr int weights_chain = GROUPS_ACC_CHAINS > 1 ? 1 : 0;
+                const int h_chain = GROUPS_ACC_CHAINS > 2 ? 2 * h : 0;
+                mma_bf16_16816(sum[h_chain][p], neg136, b0, b1);
+                mma_bf16_16816(sum[h_chain + weights_chain][p], a, b0, b1);
             }
         }
     }
+#pragma unroll
+    for (int chain = 1; chain < GROUPS_ACC_CHAINS; ++chain)
+#pragma unroll
+        for (int p = 0; p < GROUPS_PAIRS; ++p)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) sum[0][p][v] += sum[chain][p][v];
     const float s0 = groups_bf16_low(c.s_lo), s1 = groups_bf16_high(c.s_lo);
     const float s2 = groups_bf16_low(c.s_hi), s3 = groups_bf16_high(c.s_hi);
 #pragma unroll
     for (int p = 0; p < GROUPS_PAIRS; ++p) {
-        acc[p][0] += s0 * sum[p][0];
-        acc[p][1] += s1 * sum[p][1];
-        acc[p][2] += s2 * sum[p][2];
-        acc[p][3] += s3 * sum[p][3];
+        acc[p][0] += s0 * sum[0][p][0];
+        acc[p][1] += s1 * sum[0][p][1];
+        acc[p][2] += s2 * sum[0][p][2];
+        acc[p][3] += s3 * sum[0][p][3];
     }
 }
 

@@ -405,20 +405,29 @@ __device__ __forceinline__ void route_sort_block(const float* logits, const floa
     __syncthreads();
     for (int i = tid; i < num_slots; i += blockDim.x) atomicAdd(&count[slot_expert[i]], 1);
     __syncthreads();
-    // experts' first rows and first tiles: thread e holds expert e (E' <= GROUP_MAX_EXPERTS = the block)
-    const int rows = tid < grouped ? count[tid] : 0;
+    // experts' first rows and first tiles: thread tid holds the run of experts [first, last) (one each where
+    // the block has E' threads: moe_route_sort's 512; a warp takes ⌈E' / 32⌉ each), a block scan of the runs'
+    // rows and tiles, then each run walked in order
+    const int per_thread = (grouped + (int)blockDim.x - 1) / (int)blockDim.x;
+    const int first = min(grouped, tid * per_thread), last = min(grouped, first + per_thread);
+    int rows = 0, tiles = 0;
+    for (int e = first; e < last; ++e) {
+        rows += count[e];
+        tiles += (count[e] + GROUP_TILE_ROWS - 1) / GROUP_TILE_ROWS;
+    }
     int rows_total, tiles_total;
-    const int row_before = block_exclusive_scan(rows, scratch, &rows_total);
-    const int tile_before = block_exclusive_scan((rows + GROUP_TILE_ROWS - 1) / GROUP_TILE_ROWS, scratch,
-                                                 &tiles_total);
-    if (tid < grouped) {
-        offsets[tid] = row_before;
-        for (int r = 0, tile = tile_before; r < rows; r += GROUP_TILE_ROWS, ++tile)
-            if (tile < max_tiles) {
-                tile_expert[tile] = tid;
-                tile_row[tile] = row_before + r;
+    int row_before = block_exclusive_scan(rows, scratch, &rows_total);
+    int tile_before = block_exclusive_scan(tiles, scratch, &tiles_total);
+    for (int e = first; e < last; ++e) {
+        const int expert_rows = count[e];
+        offsets[e] = row_before;
+        for (int r = 0; r < expert_rows; r += GROUP_TILE_ROWS, ++tile_before)
+            if (tile_before < max_tiles) {
+                tile_expert[tile_before] = e;
+                tile_row[tile_before] = row_before + r;
             }
-        count[tid] = row_before;
+        count[e] = row_before;
+        row_before += expert_rows;
     }
     if (tid == 0) {
         offsets[grouped] = rows_total;

@@ -34,7 +34,10 @@ CASES = {"d4": {"GROUPS_DEPTH": 4}, "d2": {"GROUPS_DEPTH": 2}, "p2": {"GROUPS_DE
          # several column blocks per block (GROUPS_ROW_BLOCKS; N = 192: three blocks of 64 columns over a grid of
          # 2, six of 32 over a grid of 2 with K split)
          "rb2": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0, "GROUPS_ROW_BLOCKS": 2},
-         "s2_k2_rb3": {"GROUPS_STAGES": 2, "GROUPS_KSPLIT": 2, "GROUPS_ROW_BLOCKS": 3}}
+         "s2_k2_rb3": {"GROUPS_STAGES": 2, "GROUPS_KSPLIT": 2, "GROUPS_ROW_BLOCKS": 3},
+         # a chunk's mma in 2 / 4 accumulator chains (GROUPS_ACC_CHAINS), with the SiLU·mul form too
+         "acc2": {"GROUPS_DEPTH": 4, "GROUPS_ACC_CHAINS": 2}, "acc4": {"GROUPS_DEPTH": 2, "GROUPS_ACC_CHAINS": 4},
+         "acc2_silu": {"GROUPS_DEPTH": 4, "GROUPS_ACC_CHAINS": 2, "GROUPS_FUSE_SILU": 1}}
 CASE_N = {"rb2": 192, "s2_k2_rb3": 192}  # N of a case (default 48)
 ROUTES = {"one_token": (1, 8, 4), "few": (5, 3, 2), "ragged": (12, 4, 3)}
 

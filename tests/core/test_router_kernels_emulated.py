@@ -3,7 +3,7 @@ the CUDA built-ins (tests/helpers/cuda_host) and run on the CPU: ``moe_router_lo
 expert, the hidden row split over its threads) against NumPy's fp32 logits, and ``moe_router_route_sort``
 (the same logits, then the last block to finish routing and grouping) against ``moe_route_sort`` on those
 logits — the same ids, weights and layout, twice in a row on one ticket counter, which it leaves at zero —
-and NumPy's route. The GPU test (tests/gpu/test_kimi_ops.py) checks the same on the device."""
+and NumPy's route; ``moe_route_sort`` in one warp (each lane a run of experts) gives the same layout. The GPU test (tests/gpu/test_kimi_ops.py) checks the same on the device."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_decode_routers_match_numpy(harness, tmp_path, tokens, hidden, experts, 
         return ids, weights, offsets, sorted_slots, slot_pos, tiles[:count], tiles[max_tiles:max_tiles + count]
 
     two = layout("two_launches.bin")
-    for name in ("fused_0.bin", "fused_1.bin"):
+    for name in ("fused_0.bin", "fused_1.bin", "one_warp.bin"):
         fused = layout(name)
         assert all(np.array_equal(a, b) for a, b in zip(fused[:3], two[:3], strict=True)), name
         assert all(np.array_equal(a, b) for a, b in zip(fused[5:], two[5:], strict=True)), name

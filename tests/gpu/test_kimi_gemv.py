@@ -46,6 +46,7 @@ GROUPED_KERNELS = [False, "moe_gemv", "wide", "wide_nc", "mma", "mma_nc", "mma_s
 
 
 LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "tiled1_nc_rot", "groups", "groups_d2",
+                       "groups_norot_acc2", "groups_acc2", "groups_norot_acc4",
                        "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6",
                        "groups_s8_k2", "groups_s8_p2", "groups_s8_p4"]
 
@@ -537,3 +538,26 @@ def test_decode_pdl_same_bits(cuda_backend, rng, monkeypatch, router, silu):
     monkeypatch.setenv(cuda_linear.DECODE_PDL_ENV, "sometimes")
     with pytest.raises(ValueError, match="must be 1 or 0"):
         cuda_linear.decode_pdl()
+
+
+@pytest.mark.parametrize("n,k", [(2112, 7168), (37, 7168), (100, 4104)])
+def test_gemv_m1_deep_equals_gemv_m1(cuda_backend, rng, monkeypatch, n, k):
+    """gemv.cu gemv_m1_deep (OPENINFER_GEMV_DEEP=1: passes of 16 raw loads a lane): gemv_m1's bits through
+    linear() — Kimi-K2's qkv_a, a partial last pass, a row of 4104 (one full pass, then 1 step) — and the NumPy
+    product; shapes past its bounds (short rows, grids of many blocks) keep gemv_m1; a bad value errors."""
+    from openinfer.backend.cuda import linear as cuda_linear
+
+    w_host = bf16_random(rng, n, k, scale=0.02)
+    x_host = bf16_random(rng, 1, k)
+    layer, x = cuda_backend.linear_weight(w_host), cuda_backend.upload(x_host)
+    monkeypatch.setenv(cuda_linear.DEEP_GEMV_ENV, "0")
+    plain = cuda_backend.to_host(cuda_backend.linear(x, layer))
+    monkeypatch.setenv(cuda_linear.DEEP_GEMV_ENV, "1")
+    assert cuda_linear.deep_gemv_wanted(-(-n // 8), k)
+    deep = cuda_backend.to_host(cuda_backend.linear(x, layer))
+    assert np.array_equal(deep, plain)
+    assert relative_error(deep, x_host @ w_host.T) < BF16_TOL
+    assert not cuda_linear.deep_gemv_wanted(10**6, k) and not cuda_linear.deep_gemv_wanted(10, 2048)
+    monkeypatch.setenv(cuda_linear.DEEP_GEMV_ENV, "deeper")
+    with pytest.raises(ValueError, match="must be 1 or 0"):
+        cuda_linear.deep_gemv_wanted(10, k)

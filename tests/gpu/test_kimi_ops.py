@@ -125,8 +125,8 @@ def test_router_blocks_and_fused_route_match_numpy(cuda_backend, rng, monkeypatc
     """Decode-sized routing with a block per expert: moe_router_logits_blocks (OPENINFER_MOE_ROUTER_BLOCKS=1)
     against NumPy's fp32 logits; moe_router_route_sort (OPENINFER_MOE_ROUTER_FUSED=1, logits + top-k + grouping in
     one launch, the last block routing) against NumPy's route and moe_sort_parallel's layout of its ids (fused
-    shared experts' columns too), three eager calls and two graph replays alike (the ticket counter starts at
-    zero each time)."""
+    shared experts' columns too), the bits of the two launches (blocks logits + moe_route_sort), three eager calls
+    and two graph replays alike (the ticket counter starts at zero each time)."""
     moe = _moe_cuda()
     router = RouterSpec(experts, top_k, scoring, norm_topk_prob=scoring != "softmax", routed_scaling_factor=2.446)
     x, gate = bf16_random(rng, tokens, hidden), bf16_random(rng, experts, hidden, scale=0.05)
@@ -168,6 +168,13 @@ def test_router_blocks_and_fused_route_match_numpy(cuda_backend, rng, monkeypatc
         return ids, weights
 
     first = check(moe.route_and_group(x_device, layer))
+    monkeypatch.setenv(moe.ROUTER_FUSED_ENV, "0")  # blocks logits (the fused kernel's block size) + moe_route_sort
+    two = check(moe.route_and_group(x_device, layer))
+    assert all(np.array_equal(a, b) for a, b in zip(two, first, strict=True))
+    monkeypatch.setenv(moe.ROUTE_SORT_WARP_ENV, "1")  # moe_route_sort in one warp (at 1-2 tokens)
+    assert all(np.array_equal(a, b) for a, b in zip(check(moe.route_and_group(x_device, layer)), first, strict=True))
+    monkeypatch.setenv(moe.ROUTE_SORT_WARP_ENV, "0")
+    monkeypatch.setenv(moe.ROUTER_FUSED_ENV, "1")
     for _ in range(2):
         again = check(moe.route_and_group(x_device, layer))
         assert all(np.array_equal(a, b) for a, b in zip(again, first, strict=True))

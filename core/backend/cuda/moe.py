@@ -175,6 +175,12 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "groups_d6": {"GROUPS_DEPTH": 6, "GROUPS_MIN_BLOCKS": 3},
     "groups_p2": {"GROUPS_DEPTH": 2, "GROUPS_PAIRS": 2, "GROUPS_MIN_BLOCKS": 3},
     "groups_norot": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0},
+    # ... a chunk's 16 mma in 2 / 4 independent accumulator chains (GROUPS_ACC_CHAINS: the -136 mma apart, and by
+    # step parity), summed at the chunk's end: a warp's dependent mma latency per chunk halved / quartered; fp32
+    # rounding apart from one chain. Opt-in until measured (OPENINFER_MOE_GEMV=groups_norot_acc2 forces it).
+    "groups_norot_acc2": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0, "GROUPS_ACC_CHAINS": 2},
+    "groups_acc2": {"GROUPS_DEPTH": 4, "GROUPS_ACC_CHAINS": 2},
+    "groups_norot_acc4": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0, "GROUPS_ACC_CHAINS": 4},
     # the chunk ring in shared memory, GROUPS_STAGES deep (cp.async; D1: the register ring's 3 chunks in flight
     # per warp left the batch-1 GEMVs at 59-74 % of HBM): 161 instructions per KB, 86 registers, 40 KB per block.
     # Opt-in, slower: D2 (H200, results/kimi_gemv_int4d_d2_h200.json) gate_up / down at 1 token 49.6 / 32.8 (s8), 52.9 / 33.6
@@ -391,16 +397,21 @@ ROUTE_WARPS_ENV, ROUTE_WARPS = "OPENINFER_MOE_ROUTE_WARPS", 8  # moe_routing.cu 
 ROUTE_SORT_ENV, ROUTE_SORT_MAX_TOKENS, ROUTE_SORT_DEFAULT_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT", 64, 1
 ROUTE_SORT_THREADS, ROUTE_SORT_MAX_SLOTS = 512, 2048  # moe_routing.cu ROUTE_SORT_WARPS x 32, ROUTE_SORT_MAX_SLOTS
 # Decode steps of at most ROUTER_BLOCKS_MAX_TOKENS tokens (moe_routing.cu): OPENINFER_MOE_ROUTER_BLOCKS=1 computes
-# the router logits with a block per expert (moe_router_logits_blocks: the block's threads split the hidden row,
-# ~ROUTER_BLOCKS_CHUNKS 16-byte loads each), where moe_router_logits has a warp per token and expert walk the whole
-# row (Kimi-K2 at one token: 48 blocks, 28 serial loads a lane; 9.2 us for 5.5 MB, s11 D3).
+# the router logits with a block per expert (moe_router_logits_blocks: the block's ROUTE_SORT_THREADS threads split
+# the hidden row, ~2 16-byte loads each at Kimi-K2's 7168), where moe_router_logits has a warp per token and expert
+# walk the whole row (Kimi-K2 at one token: 48 blocks, 28 serial loads a lane; 9.2 us for 5.5 MB, s11 D3).
 # OPENINFER_MOE_ROUTER_FUSED=1: ``route_and_group`` in one launch, moe_router_route_sort (those logits, then the
 # last block to finish runs moe_route_sort's body), its ticket counter zeroed per call (a memset node in a graph:
 # no state shared across streams or graphs; the deleted moe_decode.cu kept one counter per device).
 # Opt-in until measured on the device.
 ROUTER_BLOCKS_ENV, ROUTER_FUSED_ENV = "OPENINFER_MOE_ROUTER_BLOCKS", "OPENINFER_MOE_ROUTER_FUSED"
-ROUTER_BLOCKS_MAX_TOKENS, ROUTER_BLOCKS_CHUNKS = 4, 2  # moe_routing.cu ROUTER_BLOCKS_MAX_TOKENS
+ROUTER_BLOCKS_MAX_TOKENS = 4  # moe_routing.cu ROUTER_BLOCKS_MAX_TOKENS
 DEFAULT_ROUTER_BLOCKS, DEFAULT_ROUTER_FUSED = False, False
+# OPENINFER_MOE_ROUTE_SORT_WARP=1 (opt-in, unmeasured): moe_route_sort at 1-2 tokens as one warp (each lane a run of
+# experts in the grouping's scan) instead of a block of ROUTE_SORT_THREADS: ~3K registers instead of ~46K, so it
+# can start beside the shared experts' GEMV blocks (s12 D2 timeline at b1: the 512-thread block waited ~6 us for
+# an SM with room, then ran 15-19 us; alone 14 us). The same ids, weights and layout.
+ROUTE_SORT_WARP_ENV, ROUTE_SORT_WARP_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT_WARP", 2
 GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
 GROUPING_METHODS = ("single", "blocks", "chunks")
@@ -594,14 +605,6 @@ def router_fused_wanted(x: cupy.ndarray, gate: cupy.ndarray) -> bool:
             and int(x.shape[1]) % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0)
 
 
-def router_blocks_threads(hidden: int, most: int = 1024) -> int:
-    """Threads of a moe_router_logits_blocks block: ~ROUTER_BLOCKS_CHUNKS 16-byte chunks of the row each, a
-    multiple of 32 within [32, most]."""
-    chunks = -(-hidden // 8)
-    threads = -(-chunks // ROUTER_BLOCKS_CHUNKS)
-    return max(32, min(most, -(-threads // 32) * 32))
-
-
 def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice | None:
     """``group_by_expert(*route(x, ...))`` of ``layer`` in two launches: router_logits, then moe_route_sort
     (the same ids and weights as moe_route_warps, moe_sort_parallel's offsets and tile list; each expert's
@@ -632,7 +635,8 @@ def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice |
             grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
             grouping.num_tiles, np.int32(tiles)), **defines)
         return grouping
-    launch_decode("moe_routing.cu", "moe_route_sort", (1,), (ROUTE_SORT_THREADS,), (
+    one_warp = num_tokens <= ROUTE_SORT_WARP_MAX_TOKENS and _switch(ROUTE_SORT_WARP_ENV)
+    launch_decode("moe_routing.cu", "moe_route_sort", (1,), (32 if one_warp else ROUTE_SORT_THREADS,), (
         logits, NULL if layer.correction_bias is None else layer.correction_bias, np.int32(num_tokens),
         np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
         np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights,
@@ -679,7 +683,8 @@ def router_logits(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
            (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits), shared_mem=shared)
         return logits
     if mma is None and router_blocks_wanted(num_tokens):  # a block per expert (see ROUTER_BLOCKS_ENV)
-        launch_decode("moe_routing.cu", "moe_router_logits_blocks", (spec.num_experts,), (router_blocks_threads(hidden),),
+        # blocks of moe_router_route_sort's size: the same sums, so both give the same logits (and routes)
+        launch_decode("moe_routing.cu", "moe_router_logits_blocks", (spec.num_experts,), (ROUTE_SORT_THREADS,),
                       (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits))
         return logits
     kernel("moe.cu", "moe_router_logits")(
@@ -826,6 +831,12 @@ def layout_gemv(weight: ExpertLinear, name: str | None, gemv_kernel: str | None 
     return name
 
 
+# DECODE_PDL 2 (the down GEMV's first weight chunks before griddepcontrol.wait): off — s12 D2's GPU test
+# (test_decode_pdl_same_bits, OPENINFER_MOE_GEMV_SILU=1: down right after the fused gate_up) found graph replays
+# differing from eager runs; mode 1 (wait at entry) everywhere until that is understood.
+PDL_WEIGHTS_FIRST = False
+
+
 def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, name: str,
                  tables_ready: bool = False) -> None:
     """GEMV kernel ``name`` (moe_gemv / moe_gemv_wide / moe_gemv_mma) over ``grid_rows`` tiles
@@ -844,7 +855,8 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
             if row_blocks > 1:
                 defines = {**defines, "GROUPS_ROW_BLOCKS": row_blocks}
             launch_decode("moe_int4.cu", "moe_gemv_int4_groups", (-(-column_blocks // row_blocks), grid_rows or 1),
-                          (MMA_GEMV_WARPS * 32,), args, pdl_mode=2 if tables_ready else 1, **defines)
+                          (MMA_GEMV_WARPS * 32,), args, pdl_mode=2 if tables_ready and PDL_WEIGHTS_FIRST else 1,
+                          **defines)
             return
         defines = {"MMA_GEMV_NTILES": 2}  # other layouts: moe_gemv_mma
         name = "mma"

@@ -42,6 +42,12 @@ int main(int argc, char** argv) {
                            te, tr, nt, max_tiles);
         });
     });
+    run("one_warp.bin", [&](int* ids, float* weights, int* offsets, int* sorted, int* pos, int* te, int* tr, int* nt) {
+        launch(1, 1, 1, 32, [&] {  // one warp: each lane a run of experts (the decode launch's shape)
+            moe_route_sort(logits.data(), b, T, E, k, scoring, norm_topk, scaling, ids, weights, offsets, sorted, pos,
+                           te, tr, nt, max_tiles);
+        });
+    });
     unsigned done = 0;
     std::vector<float> fused_logits(size_t(T) * E);
     for (const char* name : {"fused_0.bin", "fused_1.bin"})
