@@ -80,6 +80,7 @@ class Sm90Shape:
     skip_empty: bool = False
     stream_k: bool = False
     k_sub: int = 1
+    ctas_per_sm: int = 1  # persistent CTAs per SM (sm90_grid): 2 run two producers' rings side by side
 
     @property
     def threads(self) -> int:
@@ -117,6 +118,11 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
     # 64; the Moonlight decode ledger unchanged (b16 8.067 vs 8.066 ms): not chosen
     "m64_n128_k3": Sm90Shape(tile_m=64, tile_n=128, k_sub=3, stages=3),
     "m64_n128_k4": Sm90Shape(tile_m=64, tile_n=128, k_sub=4, stages=2),
+    # two CTAs per SM, each half the ring (opt-in until measured): the same weight bytes in flight per SM from two
+    # independent producers, so one's unit boundary (its A-row index loads, the first boxes of the next unit) leaves
+    # the other streaming. s12 D1: the decode shape's GEMMs read ~3.9 TB/s where a read stream reaches 4.47
+    "m64_n128_k2_x2": Sm90Shape(tile_m=64, tile_n=128, k_sub=2, stages=2, ctas_per_sm=2),
+    "m64_n128_s4_x2": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2),
 }
 # The shape by slots per expert (the first entry whose bound holds). Default since E1 (H200, 2026-11-24,
 # benchmarks/results/moe_grouped_experts_e1_h200.json; OPENINFER_MOE_SM90_SHAPE=base reverts): up to 24 slots
@@ -287,7 +293,7 @@ def sm90_grid(num_slots: int, weight: ExpertLinear, fuse_silu: bool, multicast: 
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
     m_units = -(-num_slots // (shape.tile_m * cluster)) + min(weight.num_experts, num_slots)
     units = m_units * -(-out_features // columns)
-    return cluster * max(1, min(_device_traits(cupy.cuda.Device().id)[1] // cluster, units))
+    return cluster * max(1, min(_device_traits(cupy.cuda.Device().id)[1] * shape.ctas_per_sm // cluster, units))
 
 
 _flag_buffers: dict[tuple[int, int, bool, bool], cupy.ndarray] = {}
@@ -370,7 +376,8 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     # CTA pairs run the base tiles (unless a shape is named: then sm90_kernel says what cannot pair)
     tiles = SM90_SHAPES["base"] if multicast and shape is None else sm90_shape(num_slots / weight.num_experts, shape)
     if stages is not None:
-        tiles = Sm90Shape(tiles.tile_m, tiles.tile_n, stages, tiles.skip_empty, tiles.stream_k, tiles.k_sub)
+        tiles = Sm90Shape(tiles.tile_m, tiles.tile_n, stages, tiles.skip_empty, tiles.stream_k, tiles.k_sub,
+                          tiles.ctas_per_sm)
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
     out = cupy.empty((num_slots, out_features), dtype=cupy.uint16)
     if num_slots == 0:
