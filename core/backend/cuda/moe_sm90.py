@@ -172,19 +172,21 @@ def gate_up_pdl() -> bool:
 # runs 4.46). Single-CTA, whole-unit builds only (no multicast, no stream-K); the same bits.
 L2_AHEAD_ENV, B_FIRST_ENV = "OPENINFER_MOE_SM90_L2_AHEAD", "OPENINFER_MOE_SM90_B_FIRST"
 L2_AHEAD_MAX = 32
+DEFAULT_L2_AHEAD, DEFAULT_B_FIRST = 0, False
 
 
 def l2_ahead() -> int:
-    """$OPENINFER_MOE_SM90_L2_AHEAD: k-tiles of L2 look-ahead, 0..L2_AHEAD_MAX (unset: 0; else a clear error)."""
-    text = os.environ.get(L2_AHEAD_ENV) or "0"
+    """$OPENINFER_MOE_SM90_L2_AHEAD: k-tiles of L2 look-ahead, 0..L2_AHEAD_MAX (unset: DEFAULT_L2_AHEAD; else a clear
+    error)."""
+    text = os.environ.get(L2_AHEAD_ENV) or str(DEFAULT_L2_AHEAD)
     if not text.isdigit() or int(text) > L2_AHEAD_MAX:
         raise ValueError(f"{L2_AHEAD_ENV} is a number of k-tiles from 0 to {L2_AHEAD_MAX}; got {text!r}")
     return int(text)
 
 
 def b_first() -> bool:
-    """$OPENINFER_MOE_SM90_B_FIRST (1 / 0; unset: 0; another value: a clear error)."""
-    text = os.environ.get(B_FIRST_ENV) or "0"
+    """$OPENINFER_MOE_SM90_B_FIRST (1 / 0; unset: DEFAULT_B_FIRST; another value: a clear error)."""
+    text = os.environ.get(B_FIRST_ENV) or str(int(DEFAULT_B_FIRST))
     if text not in ("0", "1"):
         raise ValueError(f"{B_FIRST_ENV} is 0 or 1; got {text!r}")
     return text == "1"
