@@ -173,20 +173,26 @@ def gate_up_pdl() -> bool:
 L2_AHEAD_ENV, B_FIRST_ENV = "OPENINFER_MOE_SM90_L2_AHEAD", "OPENINFER_MOE_SM90_B_FIRST"
 L2_AHEAD_MAX = 32
 DEFAULT_L2_AHEAD, DEFAULT_B_FIRST = 0, False
+# the defaults apply to decode-sized launches only (at most this many slots per expert: SM90_SHAPE_CHOICE's decode
+# shape); prefill-sized ones keep the plain producer unless the switches say otherwise
+DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT = 24
 
 
-def l2_ahead() -> int:
-    """$OPENINFER_MOE_SM90_L2_AHEAD: k-tiles of L2 look-ahead, 0..L2_AHEAD_MAX (unset: DEFAULT_L2_AHEAD; else a clear
-    error)."""
-    text = os.environ.get(L2_AHEAD_ENV) or str(DEFAULT_L2_AHEAD)
+def l2_ahead(slots_per_expert: float = 0.0) -> int:
+    """$OPENINFER_MOE_SM90_L2_AHEAD: k-tiles of L2 look-ahead, 0..L2_AHEAD_MAX (unset: DEFAULT_L2_AHEAD up to
+    DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT slots per expert, else 0; another value: a clear error)."""
+    default = DEFAULT_L2_AHEAD if slots_per_expert <= DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT else 0
+    text = os.environ.get(L2_AHEAD_ENV) or str(default)
     if not text.isdigit() or int(text) > L2_AHEAD_MAX:
         raise ValueError(f"{L2_AHEAD_ENV} is a number of k-tiles from 0 to {L2_AHEAD_MAX}; got {text!r}")
     return int(text)
 
 
-def b_first() -> bool:
-    """$OPENINFER_MOE_SM90_B_FIRST (1 / 0; unset: DEFAULT_B_FIRST; another value: a clear error)."""
-    text = os.environ.get(B_FIRST_ENV) or str(int(DEFAULT_B_FIRST))
+def b_first(slots_per_expert: float = 0.0) -> bool:
+    """$OPENINFER_MOE_SM90_B_FIRST (1 / 0; unset: DEFAULT_B_FIRST up to DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT slots per
+    expert, else off; another value: a clear error)."""
+    default = DEFAULT_B_FIRST and slots_per_expert <= DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT
+    text = os.environ.get(B_FIRST_ENV) or str(int(default))
     if text not in ("0", "1"):
         raise ValueError(f"{B_FIRST_ENV} is 0 or 1; got {text!r}")
     return text == "1"
@@ -390,9 +396,10 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
         raise ValueError(f"moe_sm90 tiles {tiles} need {shared} bytes of shared memory (at most {SM90_MAX_SHARED_BYTES})")
     wait_first = after_grouping and not multicast and gate_up_pdl()
     pdl = 2 if wait_first else int(sm90_pdl() and not multicast)
-    ahead = l2_ahead() if not (multicast or tiles.stream_k) else 0
+    per_expert = num_slots / weight.num_experts
+    ahead = l2_ahead(per_expert) if not (multicast or tiles.stream_k) else 0
     fn = sm90_kernel(tiles, fuse_silu, multicast, pdl, _rotate_units if _rotate_units < weight.num_experts else 0,
-                     ahead, b_first())
+                     ahead, b_first(per_expert))
     grid = sm90_grid(num_slots, weight, fuse_silu, multicast, tiles)
     args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
             weight_maps.get(weight, tiles.tile_n // 2), grouping.offsets, np.int32(weight.num_experts), out,
