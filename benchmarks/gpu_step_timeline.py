@@ -234,6 +234,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2, help="passes over the variants (A/B/A/B...)")
     parser.add_argument("--trace-replays", type=int, default=3)
+    parser.add_argument("--trace-variants", default="",
+                        help="comma-separated variants whose first round is traced too (the first variant always is)")
     parser.add_argument("--read-ceilings", action="store_true",
                         help="first measure read-only HBM bandwidth by access pattern (read_ceilings)")
     parser.add_argument("--out", required=True)
@@ -291,17 +293,19 @@ def main() -> int:
                     Path(args.out).write_text(json.dumps(report, indent=1))
                     print(f"round {round_index} {name:14s} b{b}: step {median * 1e3:.3f} ms (min {min(times) * 1e3:.3f})",
                           flush=True)
-                    if round_index == 0 and name == variants[0][0] and args.trace_replays:
+                    traced = {variants[0][0], *filter(None, args.trace_variants.split(","))}
+                    if round_index == 0 and name in traced and args.trace_replays:
                         replays = trace_kernels(captured, args.trace_replays)
+                        key = str(b) if name == variants[0][0] else f"{name}:{b}"
                         if isinstance(replays, str):
-                            report["traces"][str(b)] = {"error": replays}
+                            report["traces"][key] = {"error": replays}
                             print(f"b{b} trace: {replays}", flush=True)
                         else:
                             summaries = [summarise(r) for r in replays]
                             best = min(summaries, key=lambda s: s["span_us"])
                             best["spans_us"] = [s["span_us"] for s in summaries]
-                            report["traces"][str(b)] = best
-                            print(f"b{b} trace: {best['kernels']} kernels, span {best['span_us']:.1f} us, kernels "
+                            report["traces"][key] = best
+                            print(f"{key if key != str(b) else f'b{b}'} trace: {best['kernels']} kernels, span {best['span_us']:.1f} us, kernels "
                                   f"{best['kernel_sum_us']:.1f} us, gaps {best['gap_sum_us']:.1f} us, overlap "
                                   f"{best['overlap_sum_us']:.1f} us", flush=True)
                             for kname, row in list(best["by_name"].items())[:14]:

@@ -27,6 +27,8 @@ SHAPE_BUILDS = [
     {"SM90_FUSE_SILU": 1, "SM90_K_SUB": 2, "SM90_TILE_M": 64, "SM90_TILE_N": 128, "SM90_PDL": 1, "SM90_L2_AHEAD": 4,
      "SM90_B_FIRST": 1},
     {"SM90_FUSE_SILU": 0, "SM90_L2_AHEAD": 8},
+    {"SM90_FUSE_SILU": 1, "SM90_K_SUB": 2, "SM90_TILE_M": 64, "SM90_TILE_N": 128, "SM90_STAGES": 2, "SM90_PDL": 1},
+    {"SM90_FUSE_SILU": 1, "SM90_TILE_M": 64, "SM90_TILE_N": 128, "SM90_STAGES": 4, "SM90_PDL": 1},
 ]
 
 
@@ -48,3 +50,5 @@ def test_shapes_fit_shared_memory():
     for name, shape in moe_sm90.SM90_SHAPES.items():
         assert shape.shared_bytes() <= moe_sm90.SM90_MAX_SHARED_BYTES, name
         assert shape.threads == (384 if shape.tile_m == 128 else 256), name
+        # CTAs sharing an SM fit its 228 KB of shared memory (1 KB reserved per CTA, the static offset tables)
+        assert shape.ctas_per_sm * (shape.shared_bytes() + 1024 + 2 * 513 * 4) <= 228 * 1024, name

@@ -745,3 +745,28 @@ def test_pdl_early_tiles_bit_equal_to_plain_launches(cuda_backend, rng, monkeypa
     monkeypatch.setenv(mla_decode_sm90.EARLY_TILES_ENV, "2")
     with pytest.raises(ValueError, match="OPENINFER_MLA_PDL_EARLY_TILES"):
         mla_decode_sm90.early_tiles()
+
+
+@pytest.mark.parametrize("decodes", ["ragged", "sixteen", "sixty-four", "chunks"])
+@pytest.mark.parametrize("kernel", [None, "tma"])
+def test_absorb_side_bit_equal_to_one_stream(cuda_backend, rng, monkeypatch, decodes, kernel):
+    """$OPENINFER_MLA_ABSORB_SIDE=1: W_UK on a side stream beside the latent write (which rotates q's rope dims in
+    place): the one-stream bits, eager on a stream and as a replayed CUDA graph (two parallel branches); a bad value is
+    a clear error."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    if kernel == "tma" and not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    spec = _spec(16)
+    cached, new = ([40, 100, 33, 64], [3, 5, 2, 1]) if decodes == "chunks" else _decode_rows(decodes)
+    step = ragged_mla_step(rng, spec, cached, new, BLOCK_SIZE)
+    device_cache = cuda_backend.upload(step[1]).reshape(step[1].shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    monkeypatch.setenv(cuda_mla.ABSORB_SIDE_ENV, "0")
+    plain = _stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=False)
+    assert relative_error(plain, step[7]) < BF16_TOL
+    monkeypatch.setenv(cuda_mla.ABSORB_SIDE_ENV, "1")
+    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=False), plain)
+    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=True), plain)
+    monkeypatch.setenv(cuda_mla.ABSORB_SIDE_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_ABSORB_SIDE"):
+        cuda_mla.absorb_side()

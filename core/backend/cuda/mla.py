@@ -370,6 +370,12 @@ def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy
         o_latent = absorbed_attention(q_latent, q, cache, spec, batch, None, num_sms, absorbed_kernel)
         expand_values(blas, o_latent, w_uv, spec, out)
         return out
+    if plan is None and absorb_side():
+        q = cupy.ascontiguousarray(q)  # its rope dims are rotated in place: callers pass a buffer they own
+        q_latent = write_latent_beside_absorb(blas, q, latent, cache, kv_a_norm, w_uk, spec, batch, cos, sin, eps)
+        o_latent = absorbed_attention(q_latent, q, cache, spec, batch, None, num_sms, absorbed_kernel)
+        expand_values(blas, o_latent, w_uv, spec, out)
+        return out
     if gather_q_fits(q, spec):
         q = write_latent_gather_q(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
     else:
@@ -386,6 +392,48 @@ def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy
                   absorbed_kernel)
         out[rows] = rest
     return out
+
+
+# Opt-in until measured: $OPENINFER_MLA_ABSORB_SIDE=1 runs a step's W_UK (``absorb_queries``: cuBLAS over q's nope
+# dims) on a side stream beside the latent write (which rotates q's rope dims in place: other bytes of q), joined
+# before the attention; in a captured decode graph the two become parallel branches. s12 D1 (H200, CUPTI, Moonlight
+# b16): write_latent 4.0 and W_UK 3.3 us back to back in every layer. The same kernels: the same bits.
+ABSORB_SIDE_ENV = "OPENINFER_MLA_ABSORB_SIDE"
+_absorb_streams: dict[int, tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]] = {}
+
+
+def absorb_side() -> bool:
+    """$OPENINFER_MLA_ABSORB_SIDE (0 / 1; unset: 0; another value: a clear error)."""
+    text = os.environ.get(ABSORB_SIDE_ENV) or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"{ABSORB_SIDE_ENV} is 0 or 1; got {text!r}")
+    return text == "1"
+
+
+def _absorb_stream() -> tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]:
+    """This device's side stream for W_UK and its fork / join events (made at the first use)."""
+    device = cupy.cuda.Device().id
+    if device not in _absorb_streams:
+        _absorb_streams[device] = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
+                                   cupy.cuda.Event(disable_timing=True))
+    return _absorb_streams[device]
+
+
+def write_latent_beside_absorb(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray,
+                               kv_a_norm: cupy.ndarray, w_uk: cupy.ndarray, spec: MLASpec, batch, cos: cupy.ndarray,
+                               sin: cupy.ndarray, eps: float) -> cupy.ndarray:
+    """``write_latent`` of contiguous ``q`` on this stream and ``absorb_queries(q)`` (its nope dims) on the side
+    stream at the same time; returns q_latent once this stream has joined the side stream."""
+    side, forked, joined = _absorb_stream()
+    current = cupy.cuda.get_current_stream()
+    forked.record(current)
+    side.wait_event(forked)
+    with side:
+        q_latent = absorb_queries(blas, q, w_uk, spec)
+        joined.record(side)
+    write_latent(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
+    current.wait_event(joined)
+    return q_latent
 
 
 def write_latent(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_a_norm: cupy.ndarray, spec: MLASpec,

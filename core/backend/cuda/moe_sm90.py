@@ -80,6 +80,7 @@ class Sm90Shape:
     skip_empty: bool = False
     stream_k: bool = False
     k_sub: int = 1
+    ctas_per_sm: int = 1  # persistent CTAs per SM (sm90_grid): 2 run two producers' rings side by side
 
     @property
     def threads(self) -> int:
@@ -117,6 +118,11 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
     # 64; the Moonlight decode ledger unchanged (b16 8.067 vs 8.066 ms): not chosen
     "m64_n128_k3": Sm90Shape(tile_m=64, tile_n=128, k_sub=3, stages=3),
     "m64_n128_k4": Sm90Shape(tile_m=64, tile_n=128, k_sub=4, stages=2),
+    # two CTAs per SM, each half the ring (opt-in until measured): the same weight bytes in flight per SM from two
+    # independent producers, so one's unit boundary (its A-row index loads, the first boxes of the next unit) leaves
+    # the other streaming. s12 D1: the decode shape's GEMMs read ~3.9 TB/s where a read stream reaches 4.47
+    "m64_n128_k2_x2": Sm90Shape(tile_m=64, tile_n=128, k_sub=2, stages=2, ctas_per_sm=2),
+    "m64_n128_s4_x2": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2),
 }
 # The shape by slots per expert (the first entry whose bound holds). Default since E1 (H200, 2026-11-24,
 # benchmarks/results/moe_grouped_experts_e1_h200.json; OPENINFER_MOE_SM90_SHAPE=base reverts): up to 24 slots
@@ -166,19 +172,27 @@ def gate_up_pdl() -> bool:
 # runs 4.46). Single-CTA, whole-unit builds only (no multicast, no stream-K); the same bits.
 L2_AHEAD_ENV, B_FIRST_ENV = "OPENINFER_MOE_SM90_L2_AHEAD", "OPENINFER_MOE_SM90_B_FIRST"
 L2_AHEAD_MAX = 32
+DEFAULT_L2_AHEAD, DEFAULT_B_FIRST = 0, False
+# the defaults apply to decode-sized launches only (at most this many slots per expert: SM90_SHAPE_CHOICE's decode
+# shape); prefill-sized ones keep the plain producer unless the switches say otherwise
+DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT = 24
 
 
-def l2_ahead() -> int:
-    """$OPENINFER_MOE_SM90_L2_AHEAD: k-tiles of L2 look-ahead, 0..L2_AHEAD_MAX (unset: 0; else a clear error)."""
-    text = os.environ.get(L2_AHEAD_ENV) or "0"
+def l2_ahead(slots_per_expert: float = 0.0) -> int:
+    """$OPENINFER_MOE_SM90_L2_AHEAD: k-tiles of L2 look-ahead, 0..L2_AHEAD_MAX (unset: DEFAULT_L2_AHEAD up to
+    DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT slots per expert, else 0; another value: a clear error)."""
+    default = DEFAULT_L2_AHEAD if slots_per_expert <= DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT else 0
+    text = os.environ.get(L2_AHEAD_ENV) or str(default)
     if not text.isdigit() or int(text) > L2_AHEAD_MAX:
         raise ValueError(f"{L2_AHEAD_ENV} is a number of k-tiles from 0 to {L2_AHEAD_MAX}; got {text!r}")
     return int(text)
 
 
-def b_first() -> bool:
-    """$OPENINFER_MOE_SM90_B_FIRST (1 / 0; unset: 0; another value: a clear error)."""
-    text = os.environ.get(B_FIRST_ENV) or "0"
+def b_first(slots_per_expert: float = 0.0) -> bool:
+    """$OPENINFER_MOE_SM90_B_FIRST (1 / 0; unset: DEFAULT_B_FIRST up to DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT slots per
+    expert, else off; another value: a clear error)."""
+    default = DEFAULT_B_FIRST and slots_per_expert <= DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT
+    text = os.environ.get(B_FIRST_ENV) or str(int(default))
     if text not in ("0", "1"):
         raise ValueError(f"{B_FIRST_ENV} is 0 or 1; got {text!r}")
     return text == "1"
@@ -287,7 +301,7 @@ def sm90_grid(num_slots: int, weight: ExpertLinear, fuse_silu: bool, multicast: 
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
     m_units = -(-num_slots // (shape.tile_m * cluster)) + min(weight.num_experts, num_slots)
     units = m_units * -(-out_features // columns)
-    return cluster * max(1, min(_device_traits(cupy.cuda.Device().id)[1] // cluster, units))
+    return cluster * max(1, min(_device_traits(cupy.cuda.Device().id)[1] * shape.ctas_per_sm // cluster, units))
 
 
 _flag_buffers: dict[tuple[int, int, bool, bool], cupy.ndarray] = {}
@@ -370,7 +384,8 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     # CTA pairs run the base tiles (unless a shape is named: then sm90_kernel says what cannot pair)
     tiles = SM90_SHAPES["base"] if multicast and shape is None else sm90_shape(num_slots / weight.num_experts, shape)
     if stages is not None:
-        tiles = Sm90Shape(tiles.tile_m, tiles.tile_n, stages, tiles.skip_empty, tiles.stream_k, tiles.k_sub)
+        tiles = Sm90Shape(tiles.tile_m, tiles.tile_n, stages, tiles.skip_empty, tiles.stream_k, tiles.k_sub,
+                          tiles.ctas_per_sm)
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
     out = cupy.empty((num_slots, out_features), dtype=cupy.uint16)
     if num_slots == 0:
@@ -381,9 +396,10 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
         raise ValueError(f"moe_sm90 tiles {tiles} need {shared} bytes of shared memory (at most {SM90_MAX_SHARED_BYTES})")
     wait_first = after_grouping and not multicast and gate_up_pdl()
     pdl = 2 if wait_first else int(sm90_pdl() and not multicast)
-    ahead = l2_ahead() if not (multicast or tiles.stream_k) else 0
+    per_expert = num_slots / weight.num_experts
+    ahead = l2_ahead(per_expert) if not (multicast or tiles.stream_k) else 0
     fn = sm90_kernel(tiles, fuse_silu, multicast, pdl, _rotate_units if _rotate_units < weight.num_experts else 0,
-                     ahead, b_first())
+                     ahead, b_first(per_expert))
     grid = sm90_grid(num_slots, weight, fuse_silu, multicast, tiles)
     args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
             weight_maps.get(weight, tiles.tile_n // 2), grouping.offsets, np.int32(weight.num_experts), out,
