@@ -87,7 +87,22 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       layer time at 8 x 1k (1.545 vs 0.833 ms: prepare 0.472,
                                       walk 0.704), 1.04x at 1 x 1k (0.367 vs 0.353), 0.61x at
                                       1 x 128 (0.198 vs 0.323): opt-in until the 8 x 1k cost
-                                      is within 1.3x
+                                      is within 1.3x; =chunked_split_f16 (opt-in):
+                                      gdn_chunk_prepare_split_f16 and gdn_chunk_walk_split_f16
+                                      (the same chain on fp16 hi / lo operand parts, the lo
+                                      part scaled by 2^11: 3 mmas for a product of two split
+                                      operands where bf16 parts take 6; the solve's block
+                                      products on tensor cores; a chunk's reads in one cp.async
+                                      round trip; W and P stored pre-split) — teacher-forced
+                                      0.0071 / 0.0306 (H200, D2 2026-11-24 session 12), layer
+                                      1.46x grouped_staged's at 8 x 1k (1.192 vs 0.817 ms;
+                                      chunked_split 1.78x), 1.05x at 1 x 1k, faster from 1 x
+                                      512 down, before its prepare's cp.async reads;
+                                      =chunked_split_f16_pipe: its walk requests the next
+                                      chunk's q / k / U while this one's P V' and update run;
+                                      =chunked_split_f16_x3: its walk at 3 blocks an SM with
+                                      W / P loaded where used (slower at every size, D2). The
+                                      three walks give the same bits
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
