@@ -415,6 +415,10 @@ def prefill_kernels(config: Qwen35Config, proj_stride: int) -> PrefillKernels:
     if kernels.output == "gdn_chunk_output_norm" and (kernels.norm != "gdn_gated_norm_warp"
                                                       or config.linear_value_head_dim > OUTPUT_NORM_MAX_VALUE_HEAD_DIM):
         kernels = kernels._replace(output=PrefillKernels._field_defaults["output"])
+    if kernels.prepare in SPLIT_PREPARE_KERNELS and config.linear_key_head_dim > REGISTER_STATES_MAX_KEY_HEAD_DIM:
+        # the fp16-part walks hold DK / 2 state columns and W's DK / 16 fragments a thread: wider key heads take
+        # the bf16-part chain (its prepare with its walk: the fp16-part prepare stores W and P pre-split)
+        kernels = kernels._replace(prepare=SPLIT_PREPARE_KERNEL, states=SPLIT_WALK_KERNELS[0])
     if config.linear_key_head_dim > REGISTER_STATES_MAX_KEY_HEAD_DIM:
         kernels = kernels._replace(states=PrefillKernels._field_defaults["states"])
     if kernels.prepare == FP32_PREPARE_KERNEL and config.linear_key_head_dim > FP32_CHUNKED_MAX_KEY_HEAD_DIM:
