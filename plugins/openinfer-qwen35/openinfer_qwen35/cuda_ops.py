@@ -21,7 +21,8 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       moved by one bulk copy each way through shared memory
                                       (vec4's bits)
     prefill, longest row >= 8 tokens  OPENINFER_QWEN35_GDN_PREFILL (DEFAULT_PREFILL_KERNELS:
-                                      grouped_staged) =plain: gdn_conv1d, gdn_conv_state,
+                                      chunked_split_f16, issue #17's accuracy; grouped_staged
+                                      the fast, less accurate opt-out) =plain: gdn_conv1d, gdn_conv_state,
                                       gdn_chunk_prepare, gdn_chunk_scan (tensor cores, chunks of
                                       64), gdn_gated_norm; =staged: gdn_conv1d_vec (8 channels
                                       and 16 tokens a thread), gdn_chunk_prepare_staged (every
@@ -53,7 +54,7 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       round trip for the chunked rows; =grouped_out: that with
                                       gdn_chunk_output_staged (a block's Q, P, S^T and V' loaded
                                       at once, V' as the row-major B operand: gdn_chunk_output's
-                                      bits); =grouped_staged (the default): grouped_mma with
+                                      bits); =grouped_staged (the default before session 12): grouped_mma with
                                       gdn_chunk_output_staged; =grouped_coalesced: that with W / U
                                       staged through shared memory and stored as 16-byte row
                                       pieces (its bits); =grouped_f16: grouped_staged compiled
@@ -87,7 +88,22 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       layer time at 8 x 1k (1.545 vs 0.833 ms: prepare 0.472,
                                       walk 0.704), 1.04x at 1 x 1k (0.367 vs 0.353), 0.61x at
                                       1 x 128 (0.198 vs 0.323): opt-in until the 8 x 1k cost
-                                      is within 1.3x
+                                      is within 1.3x; =chunked_split_f16 (opt-in):
+                                      gdn_chunk_prepare_split_f16 and gdn_chunk_walk_split_f16
+                                      (the same chain on fp16 hi / lo operand parts, the lo
+                                      part scaled by 2^11: 3 mmas for a product of two split
+                                      operands where bf16 parts take 6; the solve's block
+                                      products on tensor cores; a chunk's reads in one cp.async
+                                      round trip; W and P stored pre-split) — teacher-forced
+                                      0.0071 / 0.0306 (H200, D2 2026-11-24 session 12), layer
+                                      1.46x grouped_staged's at 8 x 1k (1.192 vs 0.817 ms;
+                                      chunked_split 1.78x), 1.05x at 1 x 1k, faster from 1 x
+                                      512 down, before its prepare's cp.async reads;
+                                      =chunked_split_f16_pipe: its walk requests the next
+                                      chunk's q / k / U while this one's P V' and update run;
+                                      =chunked_split_f16_x3: its walk at 3 blocks an SM with
+                                      W / P loaded where used (slower at every size, D2). The
+                                      three walks give the same bits
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -268,7 +284,12 @@ STAGED_PREPARE_KERNELS = ("gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked
 # bf16 tolerance of registers (W / U and the norm's sum rounded at other points): GPU kernel tests vs NumPy,
 # teacher-forced vs HF (grouped_out, grouped_mma's bits: mean 0.0173, p99 0.059 within 0.06 / 0.20).
 # =registers reverts.
-DEFAULT_PREFILL_KERNELS = "grouped_staged"
+# chunked_split_f16 by issue #17's accuracy at a measured cost (H200, session 12): teacher-forced vs HF bf16 0.0071 /
+# 0.0306 (the token-by-token kernels 0.0074 / 0.0305; grouped_staged 0.0173 / 0.0590); one GDN layer's prefill 1.46x
+# grouped_staged's at 8 x 1k (1.192 vs 0.817 ms, D2, before its prepare's one-round-trip reads), 1.05x at 1 x 1k,
+# faster from 1 x 512 down (results: D2 gpu_qwen35_gdn_prefill); the 16 / 64-stream bursts (lead's D2b A/B, one
+# lease, in-step snapshots on) 2,591 / 4,297 vs 2,620 / 4,441 tok/s (-1 % / -3 %). =grouped_staged reverts.
+DEFAULT_PREFILL_KERNELS = "chunked_split_f16"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
 # coalesced by measurement (H200, E3 2026-11-24, main e0c0aad, graph replay): 1.40 / 1.23 / 1.15x plain
@@ -418,6 +439,10 @@ def prefill_kernels(config: Qwen35Config, proj_stride: int) -> PrefillKernels:
     if kernels.output == "gdn_chunk_output_norm" and (kernels.norm != "gdn_gated_norm_warp"
                                                       or config.linear_value_head_dim > OUTPUT_NORM_MAX_VALUE_HEAD_DIM):
         kernels = kernels._replace(output=PrefillKernels._field_defaults["output"])
+    if kernels.prepare in SPLIT_PREPARE_KERNELS and config.linear_key_head_dim > REGISTER_STATES_MAX_KEY_HEAD_DIM:
+        # the fp16-part walks hold DK / 2 state columns and W's DK / 16 fragments a thread: wider key heads take
+        # the bf16-part chain (its prepare with its walk: the fp16-part prepare stores W and P pre-split)
+        kernels = kernels._replace(prepare=SPLIT_PREPARE_KERNEL, states=SPLIT_WALK_KERNELS[0])
     if config.linear_key_head_dim > REGISTER_STATES_MAX_KEY_HEAD_DIM:
         kernels = kernels._replace(states=PrefillKernels._field_defaults["states"])
     if kernels.prepare == FP32_PREPARE_KERNEL and config.linear_key_head_dim > FP32_CHUNKED_MAX_KEY_HEAD_DIM:
