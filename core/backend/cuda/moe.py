@@ -1498,7 +1498,7 @@ def moe_block(backend, x: cupy.ndarray, residual: cupy.ndarray, post_norm: cupy.
 # the tiled INT4 one was far slower (Kimi-K2 layer gate_up + silu 59.5 + 3.2 -> 142.0 us: its warps walk gate
 # then up rows, as TILED_ROW_BLOCKS, which E1 also found slow), so it only runs when =1. Lane-groups INT4
 # (moe_int4.cu GROUPS_FUSE_SILU): each warp's "rows g" 8 gate rows and its "rows g + 8" the matching up rows,
-# one walk of K (as many warps as the plain form); only with =1 too: D2 (H200, Kimi-K2 layer) 200.0 -> 200.3 /
+# one walk of K (as many warps as the plain form); s11 D2 (H200, Kimi-K2 layer) 200.0 -> 200.3 /
 # 2609.5 -> 2652.7 us at batch 1 / 64 (gate_up + silu 43.7 + 2.9 -> 44.4 us at batch 1).
 GEMV_SILU_ENV = "OPENINFER_MOE_GEMV_SILU"
 # Lane-groups INT4 gate_up with SiLU·mul fused by default (unset) up to this many slots per expert (a batch-1 step:
