@@ -318,7 +318,8 @@ def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch,
     """OPENINFER_MOE_GEMV_SILU=1 with lane-groups gate_up: moe_gemv_int4_groups with SiLU·mul fused (each warp
     8 gate rows and their 8 up rows, one walk of K) against the same GEMV then elementwise silu_mul, and against
     the NumPy composition; I = 40 (a block's last warp past I, gate and up rows in different 16-row blocks),
-    K = 1152 (nine chunks: the ring wraps). routed_experts takes it only where the switch says =1."""
+    K = 1152 (nine chunks: the ring wraps). routed_experts takes it unset up to LANE_GROUPS_SILU_MAX_SLOTS slots per
+    expert, with =1 at any size, never with =0."""
     moe = _moe_cuda()
     num_experts, top_k, inter, hidden = 8, 2, 40, 1152
     rows_weight, reference = _int4_experts(rng, num_experts, 2 * inter, hidden)
@@ -340,7 +341,11 @@ def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch,
     gate, up = h[:, :inter], h[:, inter:]
     assert relative_error(got, gate / (1 + np.exp(-gate)) * up) < BF16_TOL
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, gemv_kernel)
-    assert moe.gemv_silu_kernel(x, gate_up, grouping) is None  # unset: only when asked for
+    # unset: fused up to LANE_GROUPS_SILU_MAX_SLOTS slots per expert (1 / 2 tokens x top-2 of 8: 0.25 / 0.5), not at 40
+    unset_wanted = tokens * top_k / num_experts <= moe.LANE_GROUPS_SILU_MAX_SLOTS
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) == (gemv_kernel if unset_wanted else None)
+    monkeypatch.setenv(moe.GEMV_SILU_ENV, "0")
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) is None
     monkeypatch.setenv(moe.GEMV_SILU_ENV, "1")
     assert moe.gemv_silu_kernel(x, gate_up, grouping) == gemv_kernel
     with pytest.raises(ValueError, match="lane-groups"):

@@ -216,7 +216,10 @@ TILED_GEMV = "tiled1_nc_rot"
 # 652 / 337 -> 510 / 277, 485 / 266; 64 tokens 1776 / 860 -> 1632 / 850, 1852 / 836; 256 tokens 3260 / 1283 ->
 # 5260 / 2667 (moe_gemv_mma there, in the layer: 3166 / 1590). D2 (same sweep): 1 token 58.4 / 36.4 -> 44.6 / 26.3,
 # 42.4 / 26.2; 16 tokens 653 / 334 -> 508 / 275, 516 / 267; 64 tokens 1785 / 853 -> 1693 / 878, 1650 / 867.
-LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_norot"), (3, "groups"))
+# s12 D2b (H200, one Kimi-K2 layer at 64 tokens, results/kimi_layer_b64_kimi13_d2b.json): groups_acc2 (the chunk's
+# mma in two accumulator chains) 2,629.5 -> 2,582.7 us (gate_up 1,531.5 -> 1,512.0, down 834.4 -> 815.3); at one token
+# groups_norot_acc2 was not faster (gate_up 43.5 -> 44.7 us), so the first entry stays.
+LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_norot"), (3, "groups_acc2"))
 # OPENINFER_INT4_ROW_BLOCKS (moe_int4.cu GROUPS_ROW_BLOCKS): each block of moe_gemv_int4_groups takes R column
 # blocks in turn (blockIdx.x, + gridDim.x, ...), the grid R times narrower. "auto": for decode-sized grids (at most
 # ROW_BLOCKS_MAX_TILES tile rows) that exceed one wave of resident blocks by a quarter or more, R = the waves
@@ -1495,23 +1498,30 @@ def moe_block(backend, x: cupy.ndarray, residual: cupy.ndarray, post_norm: cupy.
 # the tiled INT4 one was far slower (Kimi-K2 layer gate_up + silu 59.5 + 3.2 -> 142.0 us: its warps walk gate
 # then up rows, as TILED_ROW_BLOCKS, which E1 also found slow), so it only runs when =1. Lane-groups INT4
 # (moe_int4.cu GROUPS_FUSE_SILU): each warp's "rows g" 8 gate rows and its "rows g + 8" the matching up rows,
-# one walk of K (as many warps as the plain form); only with =1 too: D2 (H200, Kimi-K2 layer) 200.0 -> 200.3 /
+# one walk of K (as many warps as the plain form); s11 D2 (H200, Kimi-K2 layer) 200.0 -> 200.3 /
 # 2609.5 -> 2652.7 us at batch 1 / 64 (gate_up + silu 43.7 + 2.9 -> 44.4 us at batch 1).
 GEMV_SILU_ENV = "OPENINFER_MOE_GEMV_SILU"
+# Lane-groups INT4 gate_up with SiLU·mul fused by default (unset) up to this many slots per expert (a batch-1 step:
+# 8 / 384): s12 D2 / D2b (H200, Kimi-K2 layer, results/kimi_layer_b1_kimi13_d2*.json) gate_up + silu_mul 43.3 + 2.7
+# -> 44.6 and 43.5 + 2.8 -> 44.9 us by op, step span 200.5 -> 199.2 and 198.8 / 196.4 -> 195.4 us; at 64 tokens
+# (1.3 slots per expert) slower (1,531.5 + 4.2 -> 1,573.6 us), so not there. =0 never, =1 at any size.
+LANE_GROUPS_SILU_MAX_SLOTS = 0.5
 
 
 def gemv_silu_kernel(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGroupingDevice) -> str | None:
     """The decode GEMV that would run ``gate_up`` for this step where it fuses SiLU·mul: moe_gemv_wide
-    unless $OPENINFER_MOE_GEMV_SILU=0, a tiled INT4 GEMV with a register ring (I a multiple of 16) only with
-    =1; aligned rows; else None."""
+    unless $OPENINFER_MOE_GEMV_SILU=0, moe_gemv_int4_groups (lane-groups INT4, I a multiple of 8) up to
+    LANE_GROUPS_SILU_MAX_SLOTS slots per expert unless =0 and at any size with =1, a tiled INT4 GEMV with a
+    register ring (I a multiple of 16) only with =1; aligned rows; else None."""
     explicit = os.environ.get(GEMV_SILU_ENV, "") != ""
     if not _switch(GEMV_SILU_ENV, default=True) or gate_up.out_features % 2 or not gate_up.gemv_ready(x):
         return None
     per_expert = int(grouping.sorted_slots.size) / gate_up.num_experts
     name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None, per_expert)
     defines = GEMV_KERNELS.get(name, {}) if name is not None else {}
-    if name in GROUPS_GEMVS and gate_up.layout == "lane_groups":  # only when asked for: not faster (D2)
-        return name if explicit and gate_up.out_features % 16 == 0 else None
+    if name in GROUPS_GEMVS and gate_up.layout == "lane_groups":  # =1 always; unset: up to LANE_GROUPS_SILU_MAX_SLOTS
+        wanted = explicit or per_expert <= LANE_GROUPS_SILU_MAX_SLOTS
+        return name if wanted and gate_up.out_features % 16 == 0 else None
     if name in TILED_GEMVS and gate_up.layout == "tiled":  # only when asked for: slower (see GEMV_SILU_ENV)
         return (name if explicit and "TILED_STAGES" not in defines and "TILED_PAIR" not in defines
                 and gate_up.out_features % 32 == 0 else None)
