@@ -394,7 +394,8 @@ def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy
     return out
 
 
-# Opt-in until measured: $OPENINFER_MLA_ABSORB_SIDE=1 runs a step's W_UK (``absorb_queries``: cuBLAS over q's nope
+# Opt-in, measured within noise (s12 D2b, Moonlight decode graphs: b1 / b16 / b64 1.010 / 1.000 / 1.005x):
+# $OPENINFER_MLA_ABSORB_SIDE=1 runs a step's W_UK (``absorb_queries``: cuBLAS over q's nope
 # dims) on a side stream beside the latent write (which rotates q's rope dims in place: other bytes of q), joined
 # before the attention; in a captured decode graph the two become parallel branches. s12 D1 (H200, CUPTI, Moonlight
 # b16): write_latent 4.0 and W_UK 3.3 us back to back in every layer. The same kernels: the same bits.
