@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 SEGMENT_END = ("moe_combine", "moe_combine_vec8", "moe_combine_add_rms_norm")  # a MoE layer's last kernel
 
 
@@ -219,6 +221,13 @@ def summarise(replay: list[dict[str, Any]]) -> dict[str, Any]:
             "sequence": sequence}
 
 
+def as_float(values: np.ndarray) -> np.ndarray:
+    """Logits as float32: bf16 bits (uint16) widened, other dtypes cast."""
+    if values.dtype == np.uint16:
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    return values.astype(np.float32)
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -268,6 +277,7 @@ def main() -> int:
     layout = StepLayout.of(engine)
     hosts = {b: decode_batch(b, args.context, layout) for b in batches}
     saved = {key: os.environ.get(key) for _, env in variants for key in env}
+    first_logits: dict[int, np.ndarray] = {}  # batch -> the first measured variant's logits
     try:
         for round_index in range(args.rounds):
             for name, env in variants:
@@ -288,10 +298,18 @@ def main() -> int:
                         cupy.cuda.runtime.deviceSynchronize()
                         continue
                     median = statistics.median(times)
+                    # the step's logits (the replays' inputs are the same each time): equal bits across the
+                    # variants say a switch changed the speed only
+                    logits = cupy.asnumpy(captured.logits[:b])
+                    first = first_logits.setdefault(b, logits)
+                    same = bool(np.array_equal(logits, first))
+                    diff = 0.0 if same else float(np.abs(as_float(logits) - as_float(first)).max())
                     report["steps"].setdefault(name, {}).setdefault(str(b), []).append(
-                        {"median_s": median, "min_s": min(times), "round": round_index})
+                        {"median_s": median, "min_s": min(times), "round": round_index,
+                         "logits_equal_to_first": same, "logits_max_abs_diff": diff})
                     Path(args.out).write_text(json.dumps(report, indent=1))
-                    print(f"round {round_index} {name:14s} b{b}: step {median * 1e3:.3f} ms (min {min(times) * 1e3:.3f})",
+                    print(f"round {round_index} {name:14s} b{b}: step {median * 1e3:.3f} ms (min {min(times) * 1e3:.3f}); "
+                          f"logits {'equal' if same else f'max |diff| {diff:.4g}'}",
                           flush=True)
                     traced = {variants[0][0], *filter(None, args.trace_variants.split(","))}
                     if round_index == 0 and name in traced and args.trace_replays:

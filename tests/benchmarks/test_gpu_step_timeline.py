@@ -41,3 +41,11 @@ def test_summarise_gaps_overlap_and_middle_layer():
     # the layer between the first and second MoE layer ends (3 ends: the middle one is the second)
     assert [k["name"] for k in summary["middle_layer"]] == ["gemm", "pdl_next", "moe_combine"]
     assert [k["gap_before_us"] for k in summary["middle_layer"]] == [1, -1, 1]
+
+
+def test_as_float_widens_bf16_bits():
+    import numpy as np
+
+    bits = np.array([0x3F80, 0xC000], dtype=np.uint16)  # 1.0, -2.0
+    assert gpu_step_timeline.as_float(bits).tolist() == [1.0, -2.0]
+    assert gpu_step_timeline.as_float(np.array([0.5], np.float64)).dtype == np.float32

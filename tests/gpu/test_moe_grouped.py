@@ -96,11 +96,12 @@ def test_sm90_shapes_match_numpy(cuda_backend, cuda_moe, sm90_moe, rng, shape):
 
 
 def test_sm90_shape_switch(sm90_moe, monkeypatch):
-    """OPENINFER_MOE_SM90_SHAPE forces a shape; unset, SM90_SHAPE_CHOICE decides (64-slot, 128-row tiles with
-    128-wide k stages up to 24 slots per expert, base above); a bad name is a clear error."""
+    """OPENINFER_MOE_SM90_SHAPE forces a shape; unset, SM90_SHAPE_CHOICE decides (64-slot, 128-row tiles, two CTAs
+    per SM with 4-stage rings, up to 24 slots per expert; base above); a bad name is a clear error."""
     moe_sm90 = sm90_moe
     monkeypatch.delenv(moe_sm90.SM90_SHAPE_ENV, raising=False)
-    assert moe_sm90.sm90_shape(1.5) == moe_sm90.sm90_shape(24) == moe_sm90.SM90_SHAPES["m64_n128_k2"]
+    assert moe_sm90.sm90_shape(1.5) == moe_sm90.sm90_shape(24) == moe_sm90.SM90_SHAPES["m64_n128_s4_x2"]
+    assert moe_sm90.SM90_SHAPES["m64_n128_s4_x2"].ctas_per_sm == 2
     assert moe_sm90.sm90_shape(96) == moe_sm90.SM90_SHAPES["base"]
     monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, "m64_s5")
     assert moe_sm90.sm90_shape(6.0) == moe_sm90.SM90_SHAPES["m64_s5"]

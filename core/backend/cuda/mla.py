@@ -115,6 +115,12 @@ EXPAND_SMALL_MAX_TOKENS, EXPAND_SMALL_COLUMNS, EXPAND_SMALL_THREADS = 64, 16, 12
 # programmatic edges of a captured decode graph. The latent write / mla_write_absorb (after the projections) and
 # cuBLAS's GEMMs launch as before; clusters of the tma kernel (OPENINFER_MLA_TMA_CLUSTER) are not PDL-launched.
 # The same kernels and sums: bit-equal (GPU-tested).
+# s12 D1 (H200, benchmarks/gpu_step_timeline.py, results/timeline_moonlight_moon13_d1_h200.json: Moonlight decode graphs
+# re-captured in one process, b1 / b16 / b64 step vs the defaults, 2 rounds; noise ~1 %): MLA_PDL 0.990 / 1.000 / 1.006x,
+# EXPAND_SMALL 0.963 / 0.999 / 0.984x, PDL + WRITE_ABSORB + EXPAND_SMALL 0.997 / 0.947 / 0.974x, PDL + GATHER_Q +
+# EXPAND_SMALL 0.987 / 0.999 / 0.965x, TMA_CLUSTER=8 0.970 / 1.009 / 0.956x, =16 0.984 / 0.974 / 0.955x, MAX_SPLITS=8
+# 0.933 / 1.004 / 0.994x, =4 0.844 / 0.985 / 0.998x: all stay off. The CUPTI timeline of the b16 graph: attention 16.6,
+# write_latent 4.0, W_UK 3.3, combine 3.6, W_UV 3.3 us a layer, ~0.1 us between kernels.
 PDL_ENV = "OPENINFER_MLA_PDL"
 DEFAULT_PDL = False
 # Defaults since E3 (H200, 2026-11-24; both bit-equal to the kernels before, GPU-tested): mla_attention_mma
@@ -394,7 +400,8 @@ def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy
     return out
 
 
-# Opt-in until measured: $OPENINFER_MLA_ABSORB_SIDE=1 runs a step's W_UK (``absorb_queries``: cuBLAS over q's nope
+# Opt-in, measured within noise (s12 D2b, Moonlight decode graphs: b1 / b16 / b64 1.010 / 1.000 / 1.005x):
+# $OPENINFER_MLA_ABSORB_SIDE=1 runs a step's W_UK (``absorb_queries``: cuBLAS over q's nope
 # dims) on a side stream beside the latent write (which rotates q's rope dims in place: other bytes of q), joined
 # before the attention; in a captured decode graph the two become parallel branches. s12 D1 (H200, CUPTI, Moonlight
 # b16): write_latent 4.0 and W_UK 3.3 us back to back in every layer. The same kernels: the same bits.

@@ -179,7 +179,8 @@ def tma_blocks_per_sm_of(spec: MLASpec) -> int:
     return tma_blocks_per_sm(tma_decode_smem(spec, *tma_tile(), tma_one_barrier()))
 
 
-# Opt-in until measured ($OPENINFER_MLA_PDL_EARLY_TILES=1, with $OPENINFER_MLA_PDL): the PDL build copies the first
+# Opt-in, not measured at model level ($OPENINFER_MLA_PDL_EARLY_TILES=1, with $OPENINFER_MLA_PDL; s12 D1 measured the
+# PDL chain it needs, MLA_PDL + WRITE_ABSORB + EXPAND_SMALL, at 0.947x of the b16 step): the PDL build copies the first
 # tiles that lie wholly before the sequence's first new position of the step (rows earlier steps wrote) before its
 # griddepcontrol.wait (mla_decode_sm90.cu MLA_PDL_EARLY_TILES), so the key stream overlaps the kernel before it (the
 # latent write or W_UK). The same bits.

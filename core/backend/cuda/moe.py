@@ -1030,7 +1030,8 @@ def combine_vec_ready(y: cupy.ndarray, shared: cupy.ndarray | None, hidden: int,
             and top_k <= MAX_TOPK and y.flags.c_contiguous and (shared is None or shared.flags.c_contiguous))
 
 
-# OPENINFER_MOE_COMBINE_PDL (opt-in until measured; =1 on): after the Hopper down projection (whose build lets the
+# OPENINFER_MOE_COMBINE_PDL (opt-in, measured within noise: see moe_sm90.GATE_UP_PDL_ENV; =1 on): after the Hopper
+# down projection (whose build lets the
 # next kernel launch at its start), moe_combine is launched with programmatic stream serialization and waits for it in
 # griddepcontrol.wait (moe.cu COMBINE_PDL): its launch and block start overlap the down projection's last wave. The
 # same bits.

@@ -22,7 +22,8 @@ expert and the pipelined kernel. Moonlight's routed experts, one layer, gate_up 
 
 Decode steps (up to 24 slots per expert) run a smaller build since E1 of 2026-11-24 (SM90_SHAPE_CHOICE):
 64-slot tiles on one consumer warpgroup, 128 weight rows per tile, stages of two 64-wide k sub-tiles
-(256 contiguous bytes of each weight row per stage): 87-90 % -> 92-93 % of the copy bandwidth. Opt-in
+(256 contiguous bytes of each weight row per stage): 87-90 % -> 92-93 % of the copy bandwidth; since s12 D2b
+two such CTAs per SM, each a ring of four 64-wide k stages (m64_n128_s4_x2). Opt-in
 builds: stream-K (SM90_STREAM_K); programmatic dependent launch of down after gate_up (SM90_PDL) is on by
 default since D2 of 2026-11-24 (see SM90_PDL_ENV).
 """
@@ -118,9 +119,10 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
     # 64; the Moonlight decode ledger unchanged (b16 8.067 vs 8.066 ms): not chosen
     "m64_n128_k3": Sm90Shape(tile_m=64, tile_n=128, k_sub=3, stages=3),
     "m64_n128_k4": Sm90Shape(tile_m=64, tile_n=128, k_sub=4, stages=2),
-    # two CTAs per SM, each half the ring (opt-in until measured): the same weight bytes in flight per SM from two
-    # independent producers, so one's unit boundary (its A-row index loads, the first boxes of the next unit) leaves
-    # the other streaming. s12 D1: the decode shape's GEMMs read ~3.9 TB/s where a read stream reaches 4.47
+    # two CTAs per SM, each half the ring: the same weight bytes in flight per SM from two independent producers, so
+    # one's unit boundary (its A-row index loads, the first boxes of the next unit) leaves the other streaming. s12 D1:
+    # the decode shape's GEMMs read ~3.9 TB/s where a read stream reaches 4.47. s4_x2 is the decode default since D2b
+    # (SM90_SHAPE_CHOICE); k2_x2 (2 stages of 128-wide k) unmeasured
     "m64_n128_k2_x2": Sm90Shape(tile_m=64, tile_n=128, k_sub=2, stages=2, ctas_per_sm=2),
     "m64_n128_s4_x2": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2),
 }
@@ -135,7 +137,12 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
 # routing). Forcing m64_n128_k2 at every size (prefill included) in a Moonlight burst (s9 D1b): TPOT 16 streams
 # 8.56 vs 8.88 ms, but TTFT p50 at 64 streams 606 vs 504 ms (prefill steps) and 256 streams 6,284 vs 7,095 tok/s:
 # it stays within 24 slots per expert.
-SM90_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((24, "m64_n128_k2"), (float("inf"), "base"))
+# Since s12 D2b (H200, 2026-11-24, benchmarks/gpu_step_timeline.py, results/timeline_moonlight_moon13_d2b_h200.json;
+# Moonlight decode graphs re-captured in one process, 2 rounds; OPENINFER_MOE_SM90_SHAPE=m64_n128_k2 reverts): up to 24
+# slots per expert m64_n128_s4_x2, two CTAs per SM each with a 4-stage ring of 64-wide k-tiles (the same weight bytes
+# in flight per SM, two producers; the down projection's PDL-launched CTAs start beside gate_up's last ones): steps b16 /
+# b64 8.293 -> 8.149 / 10.149 -> 9.880 ms (1.018 / 1.027x); b1 runs the decode GEMV (unchanged: 2.865 vs 2.906, noise).
+SM90_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((24, "m64_n128_s4_x2"), (float("inf"), "base"))
 
 
 # OPENINFER_MOE_SM90_PDL builds the kernel with SM90_PDL (each CTA lets the next launch go at once; the
@@ -149,9 +156,11 @@ SM90_PDL_ENV = "OPENINFER_MOE_SM90_PDL"
 DEFAULT_SM90_PDL = True
 
 
-# OPENINFER_MOE_GATE_UP_PDL (opt-in until measured; =1 on): the gate_up projection too is launched with programmatic
+# OPENINFER_MOE_GATE_UP_PDL (opt-in, measured within noise; =1 on): the gate_up projection too is launched with programmatic
 # stream serialization, right after the routing's grouping kernel, built to wait for it before reading anything
 # (moe_sm90.cu SM90_PDL=2): its launch, CTA start and barrier set-up overlap the grouping kernel's run. The same bits.
+# s12 D1 (H200, Moonlight decode graphs, with OPENINFER_MOE_COMBINE_PDL): b1 / b16 / b64 0.979 / 0.992 / 0.998x — the
+# CUPTI timeline shows ~0.1 us between graph kernels, so a launch overlapped saves next to nothing.
 GATE_UP_PDL_ENV = "OPENINFER_MOE_GATE_UP_PDL"
 DEFAULT_GATE_UP_PDL = False
 
@@ -164,12 +173,14 @@ def gate_up_pdl() -> bool:
     return DEFAULT_GATE_UP_PDL if value == "" else value in ("1", "true", "on")
 
 
-# Opt-in until measured: OPENINFER_MOE_SM90_L2_AHEAD=P (k-tiles; 0 / unset: off) has the producer also ask L2 for
+# Opt-in, measured slower: OPENINFER_MOE_SM90_L2_AHEAD=P (k-tiles; 0 / unset: off) has the producer also ask L2 for
 # the weight boxes P k-tiles ahead of the ones it copies (moe_sm90.cu SM90_L2_AHEAD), past the shared-memory ring;
 # OPENINFER_MOE_SM90_B_FIRST=1 issues each k-tile's weight boxes before its gathered A rows. s12 D1 (H200, Moonlight
 # decode graphs, CUPTI): at 16 tokens gate_up + down run ~234 us a layer for ~913 MB of expert weights, ~3.9 TB/s,
 # where a plain read stream reaches 4.47 TB/s (benchmarks/gpu_step_timeline.py --read-ceilings, the same 256-byte row
-# runs 4.46). Single-CTA, whole-unit builds only (no multicast, no stream-K); the same bits.
+# runs 4.46). D2b (same harness, k2 shape): L2_AHEAD 4 / 8 took b16 8.293 -> 10.207 / 12.554 ms (0.81 / 0.66x: the
+# GEMMs ~1.7x longer, the prefetched lines apparently read twice), B_FIRST 8.337 (0.995x). Single-CTA, whole-unit
+# builds only (no multicast, no stream-K); the same bits.
 L2_AHEAD_ENV, B_FIRST_ENV = "OPENINFER_MOE_SM90_L2_AHEAD", "OPENINFER_MOE_SM90_B_FIRST"
 L2_AHEAD_MAX = 32
 DEFAULT_L2_AHEAD, DEFAULT_B_FIRST = 0, False

@@ -111,12 +111,14 @@ class CudaLinearBuilder(LinearBuilder):
         return self.backend.weight(parts[0] if len(parts) == 1 else np.concatenate(parts))
 
 
-# Opt-in until measured: $OPENINFER_KIMI_DENSE_GEMV=<a tensor-core decode GEMV of moe.GEMV_KERNELS: mma, mma_split2,
+# Opt-in, measured slower: $OPENINFER_KIMI_DENSE_GEMV=<a tensor-core decode GEMV of moe.GEMV_KERNELS: mma, mma_split2,
 # mma_split4, ...> runs the bf16 dense projections of steps of 2..DENSE_GEMV_MAX_ROWS rows (q / kv_a, o_proj, the dense
 # layers; not the LM head: at most DENSE_GEMV_MAX_OUT output rows) as that decode GEMV (moe_gemv_mma over the weight
 # as one expert: one pass over the weights for 16 token rows; split K: more blocks) instead of cuBLAS, which reads
 # these weights at 25-42 % of the copy bandwidth at 16 rows (Moonlight ledger, s11 D3: q+kv_a 8.7 us for 15 MB,
-# o_proj 8.1 us for 8.4 MB, event-timed eager). Products summed in another order: other bits than cuBLAS's.
+# o_proj 8.1 us for 8.4 MB, event-timed eager). Products summed in another order: other bits than cuBLAS's. s12 D1
+# (H200, Moonlight decode graphs, one process): in graphs cuBLAS takes 6.9 / 5.9 us; mma_split4_depth4 / _depth8 took
+# the b16 step 8.053 -> 8.454 / 8.311 ms (0.953 / 0.969x), b64 (past 32 rows: cuBLAS) unchanged.
 DENSE_GEMV_ENV = "OPENINFER_KIMI_DENSE_GEMV"
 DENSE_GEMV_MAX_ROWS = 32  # moe.GEMV_ROW_LIMITS of the tensor-core GEMVs
 DENSE_GEMV_MAX_OUT = 32768

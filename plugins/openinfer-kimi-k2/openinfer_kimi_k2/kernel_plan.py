@@ -74,7 +74,7 @@ routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul
                        ``moe_gemv`` to 3),
                        else bf16 on Hopper: ``moe_grouped_gemm_sm90`` (persistent
                        wgmma, TMA weight tiles, gate_up with SiLU·mul fused; 64-slot x
-                       128-row tiles with 128-wide k stages up to 24 slots per expert;
+                       128-row tiles, two CTAs per SM, up to 24 slots per expert;
                        ``OPENINFER_MOE_SM90=0``: off; down starts in gate_up's last
                        wave, ``OPENINFER_MOE_SM90_PDL=0``: off), elsewhere
                        ``moe_grouped_gemm_pipelined`` (SiLU·mul fused) and cuBLAS per
