@@ -34,7 +34,7 @@ logger = logging.getLogger("openinfer.api_server")
 CORE_CONNECT_TIMEOUT_S = 3600.0
 
 
-async def _connect(args: argparse.Namespace, run_dir: str, api_key: str | None) -> EngineHandle:
+async def _connect_remote(args: argparse.Namespace, api_key: str | None) -> EngineHandle:
     """The remote engine (``--engine grpc://``) once it answers."""
     from openinfer.frontend.grpc import GrpcEngineClient
 
@@ -117,7 +117,7 @@ def _start_connect(args: argparse.Namespace, run_dir: str, api_key: str | None
     """The task connecting to the engine, and the local engine core's client it connects (None for
     a remote engine: its client exists once it answers)."""
     if args.engine:
-        return None, asyncio.create_task(_connect(args, run_dir, api_key))
+        return None, asyncio.create_task(_connect_remote(args, api_key))
     from openinfer.engine_core.client import EngineCoreClient
 
     client = EngineCoreClient(run_dir)
