@@ -48,7 +48,8 @@ def _fake_cupy() -> tuple[types.ModuleType, types.ModuleType]:
     cupy.full = lambda shape, value, dtype=np.float32: _device(np.full(shape, value, dtype))
     cupy.empty = lambda shape, dtype=np.float32: _device(np.empty(shape, dtype))
     event = SimpleNamespace(record=lambda stream=None: None, synchronize=lambda: None)
-    cupy.cuda = SimpleNamespace(get_current_stream=lambda: None, Event=lambda **_: event)
+    cupy.cuda = SimpleNamespace(get_current_stream=lambda: None, Event=lambda **_: event,
+                                alloc_pinned_memory=lambda nbytes: bytearray(nbytes))  # sampler.empty_pinned's
     cupyx = types.ModuleType("cupyx")
     cupyx.empty_pinned = lambda shape, dtype: np.empty(shape, dtype)
     return cupy, cupyx
