@@ -43,16 +43,19 @@ GDN layer core         ``delta_net``:                                           
 MLP                    core ``silu_mul``               same                            core
 =====================  ==============================  ==============================  =======
 
-The cuda prefill column is ``OPENINFER_QWEN35_GDN_PREFILL=grouped_staged``, the default
-(``cuda_ops.PREFILL_KERNELS`` names each choice's kernels): ``plain`` is the earlier chunked path
+The cuda prefill column is ``OPENINFER_QWEN35_GDN_PREFILL=grouped_staged``, the default until
+2026-11-25; the default now is ``chunked_split_f16`` (``gdn_chunked_split.cu``: the same chunk
+algorithm with split fp16 hi / lo operands, teacher-forced 0.0071 / 0.0306 vs HF where
+``grouped_staged`` gives 0.0173 / 0.0590; ``cuda_ops.PREFILL_KERNELS`` names each choice's kernels,
+and ``=grouped_staged`` is the faster, less accurate opt-out): ``plain`` is the earlier chunked path
 (``gdn_conv1d`` → ``gdn_conv_state`` → ``gdn_chunk_prepare`` → ``gdn_chunk_scan``, chunks in order
 with O computed on the way → ``gdn_gated_norm``; a mixed step's one-token rows as one-row chunks);
 ``staged`` and ``split`` are the steps between (the same bits as plain); ``split_rows`` differs from
 them only in a mixed step's one-token rows (token by token, within bf16 tolerance); ``blocked`` is
 ``split_rows`` with the triangular solve by 16 x 16 blocks (within bf16 tolerance); ``registers``
 is ``blocked`` with the chunk walk's state in mma accumulator registers (blocked's bits); ``fused``
-that with the gated norm inside the output kernel (opt-in); ``grouped_staged`` (the default since E1
-2026-11-24, session 8) is ``registers`` with ``gdn_chunk_prepare_grouped_mma`` (a prepare block per
+that with the gated norm inside the output kernel (opt-in); ``grouped_staged`` (the default from E1
+2026-11-24, session 8, to 2026-11-25) is ``registers`` with ``gdn_chunk_prepare_grouped_mma`` (a prepare block per
 chunk and key head, the triangular solve's block products on tensor cores; bf16 tolerance),
 ``gdn_chunk_output_staged`` (a block's operands loaded at once; gdn_chunk_output's bits) and
 ``gdn_gated_norm_vec``; ``grouped``, ``grouped_mma``, ``grouped_conv``, ``grouped_out`` are its opt-in
