@@ -1096,18 +1096,46 @@ def shared_after_route(tokens: int) -> bool:
     return _switch(SHARED_AFTER_ROUTE_ENV, default=DEFAULT_SHARED_AFTER_ROUTE) and 0 < tokens and shared_overlap(tokens)
 
 
-def start_shared_experts(x: cupy.ndarray, shared_experts) -> tuple[cupy.ndarray, cupy.cuda.Event | None]:
+def start_shared_experts(x: cupy.ndarray, shared_experts, forked: bool = False
+                         ) -> tuple[cupy.ndarray, cupy.cuda.Event | None]:
     """``shared_experts(x)`` (a callable) and the event the combine must wait for: run on the side
-    stream when ``shared_overlap`` (event returned), else here (None)."""
+    stream when ``shared_overlap`` (event returned), else here (None). ``forked``: the side stream's fork
+    event was recorded already (``fork_shared_experts``), earlier on this stream: the side stream starts
+    from that point, not from here."""
     if not x.shape[0] or not shared_overlap(int(x.shape[0])):
         return shared_experts(x), None
-    side, forked, joined = _side_stream()
-    forked.record(cupy.cuda.get_current_stream())
-    side.wait_event(forked)
+    side, fork, joined = _side_stream()
+    if not forked:
+        fork.record(cupy.cuda.get_current_stream())
+    side.wait_event(fork)
     with side:
         shared = shared_experts(x)
         joined.record(side)
     return shared, joined
+
+
+# OPENINFER_MOE_ROUTE_BEFORE_SHARED=1 (opt-in until measured): where the shared experts run on the side stream
+# (shared_overlap), moe_forward records the side stream's fork point before the routing but launches the routing
+# first, then the shared experts from that fork point: the same graph edges (the shared experts still wait for
+# nothing but the attention's output), but the router's node is made, and launched, before the shared GEMV's, so
+# the router's CTAs take the SMs first instead of queueing behind a full wave of GEMV CTAs (s12 D3, Kimi-K2 layer
+# at batch 1: moe_router_logits 18.9 us beside the shared gate_up GEMV, ~9 alone; moe_route_sort waited ~6 us for
+# an SM). The same bits.
+ROUTE_BEFORE_SHARED_ENV = "OPENINFER_MOE_ROUTE_BEFORE_SHARED"
+DEFAULT_ROUTE_BEFORE_SHARED = False
+
+
+def route_before_shared(tokens: int) -> bool:
+    """Whether moe_forward launches the routing before the shared experts' side stream (see
+    ROUTE_BEFORE_SHARED_ENV): the switch (1 / 0, unset: the default; another value: a clear error) where the step
+    overlaps the shared experts at all."""
+    return (_switch(ROUTE_BEFORE_SHARED_ENV, default=DEFAULT_ROUTE_BEFORE_SHARED) and 0 < tokens
+            and shared_overlap(tokens))
+
+
+def fork_shared_experts() -> None:
+    """Record the side stream's fork point here (``start_shared_experts(..., forked=True)`` starts from it)."""
+    _side_stream()[1].record(cupy.cuda.get_current_stream())
 
 
 def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray | None = None,
@@ -1124,7 +1152,11 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
         raise ValueError("this MoE layer's shared experts are fused into its expert stacks (fuse_shared_experts): "
                          "pass neither shared nor shared_experts")
     route_first = shared_experts is not None and shared_after_route(int(x.shape[0]))
-    if not route_first:
+    # ROUTE_BEFORE_SHARED_ENV: the fork point here, the shared experts launched after the routing
+    forked = shared_experts is not None and not route_first and route_before_shared(int(x.shape[0]))
+    if forked:
+        fork_shared_experts()
+    elif not route_first:
         shared, joined = start_shared_experts(x, shared_experts) if shared_experts is not None else (shared, None)
     grouping = route_and_group(x, layer) if route_sort_wanted(
         int(x.shape[0]), layer.router, layer.tid2eid, layer.shared_experts) else None
@@ -1132,8 +1164,8 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
         ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid,
                              layer.shared_experts)
         grouping = group_by_expert(ids, weights, layer.router.num_experts + layer.shared_experts)
-    if route_first:  # the side stream forks here: the routing had the SMs to itself (SHARED_AFTER_ROUTE_ENV)
-        shared, joined = start_shared_experts(x, shared_experts)
+    if route_first or forked:  # the side stream forks here (SHARED_AFTER_ROUTE_ENV) or from before the routing
+        shared, joined = start_shared_experts(x, shared_experts, forked=forked)
     with rotated_units(layer.shared_experts if l2_prefetch_mode() != "off" else 0):
         y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
     if joined is not None:  # the shared experts' side stream
