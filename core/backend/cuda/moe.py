@@ -57,6 +57,7 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     CHUNK_SCAN_ENTRIES,
     CHUNK_SLOTS,
     CHUNK_THREADS,
+    DEFAULT_ROUTE_DECODE,
     DEFAULT_ROUTE_NORM,
     DEFAULT_ROUTER_BLOCKS,
     DEFAULT_ROUTER_FUSED,
@@ -69,6 +70,10 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     MAX_EXPERTS,
     MAX_TOPK,
     NULL,
+    ROUTE_DECODE_ENV,
+    ROUTE_DECODE_MAX_HIDDEN,
+    ROUTE_DECODE_MAX_TOKENS,
+    ROUTE_DECODE_WARPS_ENV,
     ROUTE_NORM_ENV,
     ROUTE_NORM_MAX_EXPERTS,
     ROUTE_NORM_MAX_TOKENS,
@@ -102,6 +107,9 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     max_tiles,
     route,
     route_and_group,
+    route_decode,
+    route_decode_shape,
+    route_decode_wanted,
     route_norm_wanted,
     route_sort_wanted,
     route_warps_wanted,
@@ -1159,7 +1167,7 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     elif not route_first:
         shared, joined = start_shared_experts(x, shared_experts) if shared_experts is not None else (shared, None)
     grouping = route_and_group(x, layer) if route_sort_wanted(
-        int(x.shape[0]), layer.router, layer.tid2eid, layer.shared_experts) else None
+        int(x.shape[0]), layer.router, layer.tid2eid, layer.shared_experts) or route_decode_wanted(x, layer) else None
     if grouping is None:
         ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid,
                              layer.shared_experts)
