@@ -1159,6 +1159,9 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     if layer.shared_experts and (shared is not None or shared_experts is not None):
         raise ValueError("this MoE layer's shared experts are fused into its expert stacks (fuse_shared_experts): "
                          "pass neither shared nor shared_experts")
+    # moe_route_decode's ticket zeroed before the side stream's fork point (see route_decode)
+    decode = route_decode_wanted(x, layer)
+    ticket = cupy.zeros(1, cupy.uint32) if decode else None
     route_first = shared_experts is not None and shared_after_route(int(x.shape[0]))
     # ROUTE_BEFORE_SHARED_ENV: the fork point here, the shared experts launched after the routing
     forked = shared_experts is not None and not route_first and route_before_shared(int(x.shape[0]))
@@ -1166,8 +1169,8 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
         fork_shared_experts()
     elif not route_first:
         shared, joined = start_shared_experts(x, shared_experts) if shared_experts is not None else (shared, None)
-    grouping = route_and_group(x, layer) if route_sort_wanted(
-        int(x.shape[0]), layer.router, layer.tid2eid, layer.shared_experts) or route_decode_wanted(x, layer) else None
+    grouping = route_and_group(x, layer, ticket) if decode or route_sort_wanted(
+        int(x.shape[0]), layer.router, layer.tid2eid, layer.shared_experts) else None
     if grouping is None:
         ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid,
                              layer.shared_experts)

@@ -222,15 +222,17 @@ def route_decode_shape(tokens: int, hidden: int, num_experts: int, slots: int) -
                   "ROUTE_DECODE_PER_LANE": -(-num_experts // 32), "ROUTE_DECODE_X_BYTES": staged}
 
 
-def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice | None:
+def route_and_group(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | None = None
+                    ) -> ExpertGroupingDevice | None:
     """``group_by_expert(*route(x, ...))`` of ``layer`` in two launches: router_logits, then moe_route_sort
     (the same ids and weights as moe_route_warps, moe_sort_parallel's offsets and tile list; each expert's
     slots in the order atomics hand out, as there). None where the logits kernel does not run (unaligned
-    rows): the caller routes the usual way. The caller checks ``route_sort_wanted``."""
+    rows): the caller routes the usual way. The caller checks ``route_sort_wanted``; where ``route_decode_wanted``,
+    one launch instead (``route_decode``, its counter ``ticket`` where given)."""
     spec, shared = layer.router, layer.shared_experts
     check_router(spec, shared)
     if route_decode_wanted(x, layer):
-        return route_decode(x, layer)
+        return route_decode(x, layer, ticket)
     fused = router_fused_wanted(x, layer.gate) and layer.tid2eid is None
     logits = (cupy.empty((int(x.shape[0]), spec.num_experts), cupy.float32) if fused
               else router_logits(x, layer.gate, spec, layer.tid2eid))
@@ -264,9 +266,12 @@ def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice |
     return grouping
 
 
-def route_decode(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice:
+def route_decode(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | None = None) -> ExpertGroupingDevice:
     """``route_and_group`` in one launch, moe_route_decode (the caller checks ``route_decode_wanted``): the same ids,
-    weights and layout as router_logits + moe_route_sort (each expert's slots in the order atomics hand out)."""
+    weights and layout as router_logits + moe_route_sort (each expert's slots in the order atomics hand out).
+    ``ticket``: the kernel's counter, one zeroed uint32 of this call alone (default: zeroed here; ``moe_forward``
+    zeroes it before the shared experts' fork point, so the memset is not a node between that point and the
+    router, where the shared GEMV would take the SMs first)."""
     spec, shared = layer.router, layer.shared_experts
     num_tokens, hidden = int(x.shape[0]), int(x.shape[1])
     width = spec.top_k + shared
@@ -282,7 +287,8 @@ def route_decode(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice:
         defines["ROUTE_SHARED_EXPERTS"] = shared
     logits = cupy.empty((num_tokens, spec.num_experts), cupy.float32)
     kernel("moe_routing.cu", "moe_route_decode", **defines)((grid,), (defines["ROUTE_DECODE_WARPS"] * 32,), (
-        x, layer.gate, np.int32(num_tokens), np.int32(hidden), logits, cupy.zeros(1, cupy.uint32),
+        x, layer.gate, np.int32(num_tokens), np.int32(hidden), logits,
+        cupy.zeros(1, cupy.uint32) if ticket is None else ticket,
         NULL if layer.correction_bias is None else layer.correction_bias, np.int32(spec.num_experts),
         np.int32(spec.top_k), np.int32(SCORING[spec.scoring]), np.int32(spec.norm_topk_prob),
         np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights, grouping.offsets, grouping.sorted_slots,
