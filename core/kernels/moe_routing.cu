@@ -644,9 +644,10 @@ __device__ __forceinline__ int warp_min_int(int v) {
 #endif
 }
 
-// One token's routing by the calling warp from its logits `row` (written by other blocks of this grid: read from L2),
-// warp_route_token's results: lane j < k + S gets entry j (*id, *weight), other lanes *id = -1.
-__device__ __forceinline__ void warp_route_token_keys(const float* row, const float* __restrict__ bias,
+// One token's routing by the calling warp from its logits `row` (written by other blocks of this grid: read from L2)
+// and the lane's correction biases (bias_lane[i] of expert lane + 32 i, 0 without a bias), warp_route_token's
+// results: lane j < k + S gets entry j (*id, *weight), other lanes *id = -1.
+__device__ __forceinline__ void warp_route_token_keys(const float* row, const float (&bias_lane)[ROUTE_DECODE_PER_LANE],
                                                       int num_experts, int top_k, int scoring, int norm_topk,
                                                       float scaling, int* id, float* weight) {
     constexpr int R = ROUTE_DECODE_PER_LANE;
@@ -685,13 +686,14 @@ __device__ __forceinline__ void warp_route_token_keys(const float* row, const fl
 #pragma unroll
     for (int i = 0; i < R; ++i) {
         const int e = lane + 32 * i;
-        key[i] = e < num_experts ? choice_key(score[i] + (bias ? bias[e] : 0.f)) : 0u;
+        key[i] = e < num_experts ? choice_key(score[i] + bias_lane[i]) : 0u;  // warp_route_token's score + bias
         if (key[i] > best_key) {
             best_key = key[i];
             best_index = e;
             best_score = score[i];
         }
     }
+    unsigned taken = 0u;  // bit i: this lane's expert lane + 32 i is picked
     int my_id = 0;
     float my_score = 0.f, total = 0.f;
     for (int j = 0; j < top_k; ++j) {
@@ -703,13 +705,13 @@ __device__ __forceinline__ void warp_route_token_keys(const float* row, const fl
             my_id = arg;
             my_score = picked;
         }
-        if ((arg & 31) == lane) {  // the owner: that choice gone, its next best
+        if ((arg & 31) == lane) {  // the owner: that choice gone, its next best (keys stay put: registers)
+            taken |= 1u << (arg >> 5);
             best_key = 0u;
             best_index = 0x7fffffff;
 #pragma unroll
             for (int i = 0; i < R; ++i) {
-                if ((arg >> 5) == i) key[i] = 0u;
-                if (key[i] > best_key) {
+                if (!((taken >> i) & 1u) && key[i] > best_key) {
                     best_key = key[i];
                     best_index = lane + 32 * i;
                     best_score = score[i];
@@ -754,9 +756,23 @@ moe_route_decode(const bf16* __restrict__ x, const bf16* __restrict__ gate, int 
     }
     uint4* xs = reinterpret_cast<uint4*>(staged);
     const int pieces = hidden / 8;
-    for (int p = tid; p < tokens * pieces; p += blockDim.x)
+    for (int p = tid; p < tokens * pieces; p += blockDim.x) {  // the group's x rows, every piece in flight at once
+#ifdef MMA_HOST_STANDIN
         xs[p] = *reinterpret_cast<const uint4*>(x + (long long)t0 * hidden + (long long)p * 8);
+#else
+        cp_async16(reinterpret_cast<bf16*>(xs + p), x + (long long)t0 * hidden + (long long)p * 8, true);
+#endif
+    }
+#ifndef MMA_HOST_STANDIN
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+#endif
     for (int g = tid; g < grouped; g += blockDim.x) count[g] = 0;  // used by the last block only
+    float bias_lane[ROUTE_DECODE_PER_LANE];  // the top-k's biases, loaded with the router row (the last block's)
+#pragma unroll
+    for (int i = 0; i < ROUTE_DECODE_PER_LANE; ++i) {
+        const int expert = lane + 32 * i;
+        bias_lane[i] = bias && expert < num_experts ? bias[expert] : 0.f;
+    }
     __syncthreads();
     if (e < num_experts) {
         float acc[ROUTE_DECODE_TOKENS];
@@ -802,7 +818,7 @@ moe_route_decode(const bf16* __restrict__ x, const bf16* __restrict__ gate, int 
     for (int t = warp; t < num_tokens; t += ROUTE_DECODE_WARPS) {  // warp-uniform
         int id;
         float weight;
-        warp_route_token_keys(logits + (long long)t * num_experts, bias, num_experts, top_k, scoring, norm_topk,
+        warp_route_token_keys(logits + (long long)t * num_experts, bias_lane, num_experts, top_k, scoring, norm_topk,
                               scaling, &id, &weight);
         if (lane < row_width) {
             ids[t * row_width + lane] = id;
