@@ -644,10 +644,22 @@ __device__ __forceinline__ int warp_min_int(int v) {
 #endif
 }
 
-// One token's routing by the calling warp from its logits `row` (written by other blocks of this grid: read from L2)
-// and the lane's correction biases (bias_lane[i] of expert lane + 32 i, 0 without a bias), warp_route_token's
-// results: lane j < k + S gets entry j (*id, *weight), other lanes *id = -1.
-__device__ __forceinline__ void warp_route_token_keys(const float* row, const float (&bias_lane)[ROUTE_DECODE_PER_LANE],
+// The lane's logits of one token's `row` (logit[i] of expert lane + 32 i, -inf past the experts), written by other
+// blocks of this grid: read from L2.
+__device__ __forceinline__ void load_lane_logits(const float* row, int num_experts, float (&logit)[ROUTE_DECODE_PER_LANE]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < ROUTE_DECODE_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        logit[i] = e < num_experts ? __ldcg(row + e) : -INFINITY;
+    }
+}
+
+// One token's routing by the calling warp from its lane logits (load_lane_logits) and the lane's correction biases
+// (bias_lane[i] of expert lane + 32 i, 0 without a bias), warp_route_token's results: lane j < k + S gets entry j
+// (*id, *weight), other lanes *id = -1.
+__device__ __forceinline__ void warp_route_token_keys(const float (&logit)[ROUTE_DECODE_PER_LANE],
+                                                      const float (&bias_lane)[ROUTE_DECODE_PER_LANE],
                                                       int num_experts, int top_k, int scoring, int norm_topk,
                                                       float scaling, int* id, float* weight) {
     constexpr int R = ROUTE_DECODE_PER_LANE;
@@ -657,8 +669,7 @@ __device__ __forceinline__ void warp_route_token_keys(const float* row, const fl
     float logit_max = -INFINITY;
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-        const int e = lane + 32 * i;
-        score[i] = e < num_experts ? __ldcg(row + e) : -INFINITY;
+        score[i] = logit[i];
         logit_max = fmaxf(logit_max, score[i]);
     }
     if (scoring == 0) {
@@ -815,11 +826,17 @@ moe_route_decode(const bf16* __restrict__ x, const bf16* __restrict__ gate, int 
     __threadfence();
     if (tid == 0) *done = 0u;
     int* slot_expert = reinterpret_cast<int*>(staged);  // the staged rows are spent
+    float next[ROUTE_DECODE_PER_LANE];  // the warp's next token's logits, in flight while it routes this one
+    if (warp < num_tokens) load_lane_logits(logits + (long long)warp * num_experts, num_experts, next);
     for (int t = warp; t < num_tokens; t += ROUTE_DECODE_WARPS) {  // warp-uniform
+        float logit[ROUTE_DECODE_PER_LANE];
+#pragma unroll
+        for (int i = 0; i < ROUTE_DECODE_PER_LANE; ++i) logit[i] = next[i];
+        if (t + ROUTE_DECODE_WARPS < num_tokens)
+            load_lane_logits(logits + (long long)(t + ROUTE_DECODE_WARPS) * num_experts, num_experts, next);
         int id;
         float weight;
-        warp_route_token_keys(logits + (long long)t * num_experts, bias_lane, num_experts, top_k, scoring, norm_topk,
-                              scaling, &id, &weight);
+        warp_route_token_keys(logit, bias_lane, num_experts, top_k, scoring, norm_topk, scaling, &id, &weight);
         if (lane < row_width) {
             ids[t * row_width + lane] = id;
             weights[t * row_width + lane] = weight;
