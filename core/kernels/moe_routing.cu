@@ -586,6 +586,8 @@ moe_router_route_sort(const bf16* __restrict__ x, const bf16* __restrict__ gate,
 //   grouping counts by shared-memory atomics as the picks land, one warp scans the experts' rows and tiles
 //            (route_sort_block's offsets and tile list), then the slots placed by atomics (each expert's slots in
 //            the order they hand out, as moe_route_sort).
+// ROUTE_DECODE_GATE_SMEM=1: the warps' router rows copied into dynamic shared memory by cp.async instead of held in
+// registers (~145 registers a thread at a hidden of 7168: a block fits an SM only where a GEMV's blocks leave room).
 // Compile-time shape (the caller's defines): ROUTE_DECODE_WARPS a block, ROUTE_DECODE_TOKENS a token group,
 // ROUTE_DECODE_CHUNKS = ⌈hidden / 256⌉, ROUTE_DECODE_PER_LANE = ⌈E / 32⌉, ROUTE_DECODE_X_BYTES the staged rows
 // (at least ROUTE_DECODE_TOKENS · hidden · 2 and the slots' ints). hidden % 8 == 0, 16-byte aligned rows,
@@ -602,6 +604,9 @@ moe_router_route_sort(const bf16* __restrict__ x, const bf16* __restrict__ gate,
 #endif
 #ifndef ROUTE_DECODE_PER_LANE
 #define ROUTE_DECODE_PER_LANE 16
+#endif
+#ifndef ROUTE_DECODE_GATE_SMEM
+#define ROUTE_DECODE_GATE_SMEM 0  // 1: the router rows in dynamic shared memory (the launch gives its bytes)
 #endif
 #ifndef ROUTE_DECODE_X_BYTES
 #define ROUTE_DECODE_X_BYTES (ROUTE_DECODE_TOKENS * 7168 * 2)
@@ -757,14 +762,33 @@ moe_route_decode(const bf16* __restrict__ x, const bf16* __restrict__ gate, int 
     const int t0 = (blockIdx.x / blocks_per_group) * ROUTE_DECODE_TOKENS;
     const int e = (blockIdx.x % blocks_per_group) * ROUTE_DECODE_WARPS + warp;
     const int tokens = min(ROUTE_DECODE_TOKENS, num_tokens - t0);
-    // the warp's router row, whole, before anything waits
+    // the warp's router row, whole, before anything waits: in registers, or (ROUTE_DECODE_GATE_SMEM) copied into
+    // shared memory by cp.async (few registers: the blocks fit beside a GEMV's on a busy SM)
     const bf16* w = gate + (long long)min(e, num_experts - 1) * hidden;
+#if ROUTE_DECODE_GATE_SMEM
+#ifdef MMA_HOST_STANDIN
+    __shared__ __align__(16) unsigned char gate_rows[ROUTE_DECODE_WARPS * ROUTE_DECODE_CHUNKS * 512];
+#else
+    extern __shared__ __align__(16) unsigned char gate_rows[];  // ROUTE_DECODE_WARPS x ROUTE_DECODE_CHUNKS x 512 B
+#endif
+    uint4* chunk = reinterpret_cast<uint4*>(gate_rows) + warp * ROUTE_DECODE_CHUNKS * 32 + lane;  // [c * 32]: chunk c
+#pragma unroll
+    for (int c = 0; c < ROUTE_DECODE_CHUNKS; ++c) {
+        const int i = (lane + 32 * c) * 8;
+#ifdef MMA_HOST_STANDIN
+        if (i < hidden) chunk[c * 32] = *reinterpret_cast<const uint4*>(w + i);
+#else
+        if (i < hidden) cp_async16(reinterpret_cast<bf16*>(chunk + c * 32), w + i, true);
+#endif
+    }
+#else
     uint4 chunk[ROUTE_DECODE_CHUNKS];
 #pragma unroll
     for (int c = 0; c < ROUTE_DECODE_CHUNKS; ++c) {
         const int i = (lane + 32 * c) * 8;
         if (i < hidden) chunk[c] = *reinterpret_cast<const uint4*>(w + i);
     }
+#endif
     uint4* xs = reinterpret_cast<uint4*>(staged);
     const int pieces = hidden / 8;
     for (int p = tid; p < tokens * pieces; p += blockDim.x) {  // the group's x rows, every piece in flight at once
@@ -794,7 +818,12 @@ moe_route_decode(const bf16* __restrict__ x, const bf16* __restrict__ gate, int 
             const int i = (lane + 32 * c) * 8;
             if (i >= hidden) break;
             float b[8];
-            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&chunk[c]);
+#if ROUTE_DECODE_GATE_SMEM
+            const uint4 piece = chunk[c * 32];
+#else
+            const uint4 piece = chunk[c];
+#endif
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&piece);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const float2 f = __bfloat1622float2(h[j]);

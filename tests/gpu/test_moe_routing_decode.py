@@ -195,3 +195,27 @@ def test_route_decode_wanted_bounds(cuda_backend, rng, monkeypatch):
     monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "sometimes")
     with pytest.raises(ValueError, match="must be 1 or 0"):
         moe.route_decode_wanted(x, layer(spec))
+
+
+@pytest.mark.parametrize("tokens,experts,hidden,shared", [(1, 384, 7168, 0), (4, 384, 7168, 0), (16, 64, 2048, 2)])
+def test_route_decode_gate_in_shared_memory(cuda_backend, rng, monkeypatch, tokens, experts, hidden, shared):
+    """OPENINFER_MOE_ROUTE_DECODE_GATE=shared (the router rows copied into dynamic shared memory) gives the bits of the
+    rows held in registers; a bad value is a clear error."""
+    from openinfer.backend.cuda import moe
+    from openinfer.moe import RouterSpec
+
+    router = RouterSpec(experts, 8 if experts > 64 else 6, "sigmoid", routed_scaling_factor=2.827)
+    layer = moe.DeviceMoE(router, cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.05)),
+                          cupy.asarray((0.1 * rng.standard_normal(experts)).astype(np.float32)), None, None,
+                          shared_experts=shared)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
+    results = {}
+    for place in moe.ROUTE_DECODE_GATES:
+        monkeypatch.setenv(moe.ROUTE_DECODE_GATE_ENV, place)
+        grouping = moe.route_and_group(x, layer)
+        results[place] = [a.get() for a in (grouping.ids, grouping.weights, grouping.offsets, grouping.num_tiles)]
+    assert all(np.array_equal(a, b) for a, b in zip(results["registers"], results["shared"], strict=True))
+    monkeypatch.setenv(moe.ROUTE_DECODE_GATE_ENV, "texture")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_DECODE_GATE"):
+        moe.route_and_group(x, layer)

@@ -89,7 +89,13 @@ ROUTE_SORT_WARP_ENV, ROUTE_SORT_WARP_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT_WARP
 # 13.9 beside the shared GEMV) become one, plus the ticket counter's memset node (zeroed per call: nothing shared
 # across streams or graphs; the last block also puts it back to zero).
 # OPENINFER_MOE_ROUTE_DECODE_WARPS (4 or 8; unset: 4 up to 4 tokens, else 8): warps a block, the top-k's parallelism.
+# OPENINFER_MOE_ROUTE_DECODE_GATE (registers / shared; unset: DEFAULT_ROUTE_DECODE_GATE): where a warp holds its router
+# row: ~145 registers a thread at Kimi-K2's hidden of 7168, or copied into dynamic shared memory by cp.async (77): a
+# block then fits an SM beside four blocks of a one-row GEMV (gemv_m1: 48 registers x 256 threads), as the shared
+# expert's gate_up beside the routing.
 ROUTE_DECODE_ENV, ROUTE_DECODE_WARPS_ENV = "OPENINFER_MOE_ROUTE_DECODE", "OPENINFER_MOE_ROUTE_DECODE_WARPS"
+ROUTE_DECODE_GATE_ENV, ROUTE_DECODE_GATES, DEFAULT_ROUTE_DECODE_GATE = (
+    "OPENINFER_MOE_ROUTE_DECODE_GATE", ("registers", "shared"), "registers")
 ROUTE_DECODE_MAX_TOKENS, ROUTE_DECODE_MAX_HIDDEN = 64, 8192  # moe_route_decode: ≤ 32 16-byte chunks a lane
 ROUTE_DECODE_X_BYTES = 44 * 1024  # moe_route_decode's staged x rows (static shared memory)
 DEFAULT_ROUTE_DECODE = False
@@ -209,17 +215,27 @@ def route_decode_wanted(x: cupy.ndarray, layer: DeviceMoE) -> bool:
 
 def route_decode_shape(tokens: int, hidden: int, num_experts: int, slots: int) -> tuple[int, dict[str, int]]:
     """moe_route_decode's grid and defines for a step: token groups of up to 4 tokens whose bf16 rows fit the staged
-    bytes, blocks of ROUTE_DECODE_WARPS_ENV warps (4 up to 4 tokens, else 8), one warp per expert and group."""
+    bytes, blocks of ROUTE_DECODE_WARPS_ENV warps (4 up to 4 tokens, else 8), one warp per expert and group; the
+    router rows in registers or shared memory (ROUTE_DECODE_GATE_ENV; its bytes: ``route_decode_gate_bytes``)."""
     value = os.environ.get(ROUTE_DECODE_WARPS_ENV, "").strip()
     if value not in ("", "4", "8"):
         raise ValueError(f"{ROUTE_DECODE_WARPS_ENV} must be 4 or 8, got {value!r}")
+    place = os.environ.get(ROUTE_DECODE_GATE_ENV, "").strip() or DEFAULT_ROUTE_DECODE_GATE
+    if place not in ROUTE_DECODE_GATES:
+        raise ValueError(f"{ROUTE_DECODE_GATE_ENV} must be one of {', '.join(ROUTE_DECODE_GATES)}, got {place!r}")
     warps = int(value) if value else 4 if tokens <= 4 else 8
     group = max(g for g in (1, 2, 4) if g == 1 or g * hidden * 2 <= ROUTE_DECODE_X_BYTES)
     group = min(group, tokens)
     staged = -(-max(group * hidden * 2, slots * 4) // 16) * 16
     grid = -(-tokens // group) * -(-num_experts // warps)
     return grid, {"ROUTE_DECODE_WARPS": warps, "ROUTE_DECODE_TOKENS": group, "ROUTE_DECODE_CHUNKS": -(-hidden // 256),
-                  "ROUTE_DECODE_PER_LANE": -(-num_experts // 32), "ROUTE_DECODE_X_BYTES": staged}
+                  "ROUTE_DECODE_PER_LANE": -(-num_experts // 32), "ROUTE_DECODE_X_BYTES": staged,
+                  "ROUTE_DECODE_GATE_SMEM": int(place == "shared")}
+
+
+def route_decode_gate_bytes(defines: dict[str, int]) -> int:
+    """moe_route_decode's dynamic shared memory: the warps' router rows (ROUTE_DECODE_GATE_SMEM), else none."""
+    return defines["ROUTE_DECODE_WARPS"] * defines["ROUTE_DECODE_CHUNKS"] * 512 if defines["ROUTE_DECODE_GATE_SMEM"] else 0
 
 
 def route_and_group(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | None = None
@@ -286,13 +302,17 @@ def route_decode(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | None 
     if shared:
         defines["ROUTE_SHARED_EXPERTS"] = shared
     logits = cupy.empty((num_tokens, spec.num_experts), cupy.float32)
-    kernel("moe_routing.cu", "moe_route_decode", **defines)((grid,), (defines["ROUTE_DECODE_WARPS"] * 32,), (
+    fn, gate_bytes = kernel("moe_routing.cu", "moe_route_decode", **defines), route_decode_gate_bytes(defines)
+    if fn.max_dynamic_shared_size_bytes < gate_bytes:
+        fn.max_dynamic_shared_size_bytes = gate_bytes
+    fn((grid,), (defines["ROUTE_DECODE_WARPS"] * 32,), (
         x, layer.gate, np.int32(num_tokens), np.int32(hidden), logits,
         cupy.zeros(1, cupy.uint32) if ticket is None else ticket,
         NULL if layer.correction_bias is None else layer.correction_bias, np.int32(spec.num_experts),
         np.int32(spec.top_k), np.int32(SCORING[spec.scoring]), np.int32(spec.norm_topk_prob),
         np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights, grouping.offsets, grouping.sorted_slots,
-        grouping.slot_pos, grouping.tile_expert, grouping.tile_row, grouping.num_tiles, np.int32(tiles)))
+        grouping.slot_pos, grouping.tile_expert, grouping.tile_row, grouping.num_tiles, np.int32(tiles)),
+       shared_mem=gate_bytes)
     return grouping
 
 
