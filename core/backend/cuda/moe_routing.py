@@ -205,6 +205,8 @@ def route_decode_wanted(x: cupy.ndarray, layer: DeviceMoE) -> bool:
     the experts, slots and picks within its shared arrays and one warp."""
     spec, shared = layer.router, layer.shared_experts
     tokens, hidden = int(x.shape[0]), int(x.shape[1])
+    if os.environ.get(ROUTE_DECODE_ENV, "") == "" and (_switch(ROUTER_FUSED_ENV) or _switch(ROUTER_BLOCKS_ENV)):
+        return False  # unset, the other decode routers asked for by name run (their own logits order)
     return (_switch(ROUTE_DECODE_ENV, default=DEFAULT_ROUTE_DECODE) and 0 < tokens <= ROUTE_DECODE_MAX_TOKENS
             and layer.tid2eid is None and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups)
             and hidden % 8 == 0 and hidden <= ROUTE_DECODE_MAX_HIDDEN and x.data.ptr % 16 == 0
