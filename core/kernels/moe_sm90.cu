@@ -161,6 +161,19 @@ __device__ __forceinline__ int sm90_expert_at(int j, int num_experts) {
 #define SM90_B_FIRST 0
 #endif
 
+// SM90_TILED_B=1 (OPENINFER_MOE_SM90_TILED; moe_sm90.py ``tiled_weight``): the weight was repacked at load so that a
+// work unit's k-tiles are one contiguous run: [E][n-tile][k-tile][SM90_TILE_N rows][64] bf16 (fused: the tile's
+// TILE_N / 2 gate rows, then its TILE_N / 2 up rows; zeros past N or K). Each stage's weights are one TMA box of
+// TILE_N rows x 128 bytes (16 KB at TILE_N 128) right after the previous stage's, so a CTA streams one 512 KB run
+// per unit (Moonlight gate_up) where the row layout reads 128 bytes from each of 128 rows 4 KB apart: fewer DRAM
+// pages opened per byte. The map views the repacked array as rows of 64 elements (one box: TILE_N of them).
+#ifndef SM90_TILED_B
+#define SM90_TILED_B 0
+#endif
+#if SM90_TILED_B && (SM90_MULTICAST || SM90_K_SUB != 1 || SM90_L2_AHEAD)
+#error "SM90_TILED_B is built for single CTAs with 64-wide k stages and no L2 look-ahead"
+#endif
+
 __device__ __forceinline__ void tma_prefetch_l2_3d(const void* map, int x, int y, int z) {
     asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n"
                  ::"l"(map), "r"(x), "r"(y), "r"(z) : "memory");
@@ -188,6 +201,11 @@ __device__ __forceinline__ ExpertTile expert_tile(int tile, int n_tiles, const i
     w.rows = min(SM90_TILE_M, offsets[w.expert + 1] - w.row_begin);
     w.column = (tile % n_tiles) * SM90_OUT_TILE_N;
     return w;
+}
+
+// SM90_TILED_B: the first 64-element row of unit w's k-tile kt in the repacked weight (its block of TILE_N rows)
+__device__ __forceinline__ int tiled_block_row(const ExpertTile& w, int kt, int n_tiles, int k_tiles) {
+    return ((w.expert * n_tiles + w.column / SM90_OUT_TILE_N) * k_tiles + kt) * SM90_TILE_N;
 }
 
 // A consumer warp is done reading a stage. SM90_MULTICAST: the next copies into it come from both
@@ -328,12 +346,16 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                     const int kt = k_begin + s;
                     const u32 b_smem = base + s * SM90_STAGE_BYTES + SM90_A_BYTES, full = bar_full + 8 * s;
                     mbar_arrive_expect_bytes(full, SM90_B_BYTES);
+#if SM90_TILED_B
+                    tma_load_3d(b_smem, &weight_map, 0, 0, tiled_block_row(w, kt, n_tiles, k_tiles), full);
+#else
 #pragma unroll
                     for (int sub = 0; sub < SM90_K_SUB; ++sub) {
                         const int k0 = kt * SM90_STAGE_K + sub * SM90_TILE_K;
                         tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES, &weight_map, k0, 0, first_row, full);
                         tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES + SM90_BOX_ROWS * 128, &weight_map, k0, 0, second_row, full);
                     }
+#endif
                 }
         }
         }
@@ -366,7 +388,9 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                     if (t != 0) return;
 #endif
                     mbar_arrive_expect_bytes(full, SM90_B_BYTES);  // both boxes land here (SM90_MULTICAST: one from each CTA)
-#if SM90_MULTICAST
+#if SM90_TILED_B
+                    tma_load_3d(b_smem, &weight_map, 0, 0, tiled_block_row(w, kt, n_tiles, k_tiles), full);
+#elif SM90_MULTICAST
                     tma_load_3d_multicast(b_smem + rank * SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0,
                                           rank ? second_row : first_row, full, 3);
 #elif SM90_K_SUB == 1

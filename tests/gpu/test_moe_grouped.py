@@ -29,9 +29,9 @@ def _sm90_builds():
     with discover_kernels() as found:
         for name, tiles in moe_sm90.SM90_SHAPES.items():
             for fuse_silu in (False, True):
-                moe_sm90.sm90_kernel(tiles, fuse_silu)
-                if name in ("base", "n128_s6_sk"):
-                    moe_sm90.sm90_kernel(tiles, fuse_silu, pdl=True)
+                moe_sm90.sm90_kernel(tiles, fuse_silu, pdl=int(moe_sm90.DEFAULT_SM90_PDL))  # what a launch builds
+                if name in ("base", "n128_s6_sk"):  # test_sm90_pdl_equals_plain_launches: both
+                    moe_sm90.sm90_kernel(tiles, fuse_silu, pdl=1 - int(moe_sm90.DEFAULT_SM90_PDL))
     compile_kernels(found, cupy.cuda.Device().id, threads=16)
 
 
@@ -43,7 +43,7 @@ def _max_error(ours, reference) -> float:
 
 @pytest.mark.parametrize("shape", ["base", "skip", "m64_s5", "m64_n128_s8", "n128_s6", "sk", "n128_s6_sk",
                                    "m64_n128_k2", "m64_n128_k3", "m64_n128_k4", "m64_n128_k2_x2",
-                                   "m64_n128_s4_x2"])
+                                   "m64_n128_s4_x2", "m64_n128_s4_x2_tw"])
 def test_sm90_shapes_match_numpy(cuda_backend, cuda_moe, sm90_moe, rng, shape):
     """Every SM90_SHAPES build on ragged experts (an empty expert, one over several 64- and 128-slot
     tiles, tiles of 1-5 slots: a warpgroup all padding), K = 200 (a partial 64- and 128-wide k-stage:
@@ -211,7 +211,8 @@ def test_group_chunks_equal_blocks(cuda_backend, rng, monkeypatch, tokens, exper
         moe.group_by_expert(cupy.asarray(ids), weights, experts, method="sorted")
 
 
-@pytest.mark.parametrize("shape", ["sk", "m64_s5_sk", "n128_s6_sk", "m64_n128_k2_sk"])
+@pytest.mark.parametrize("shape", ["sk", "m64_s5_sk", "n128_s6_sk", "m64_n128_k2_sk", "m64_n128_s4_x2_sk",
+                                   "m64_n128_s4_x2_sk_tw"])
 def test_sm90_stream_k_matches_numpy(cuda_backend, cuda_moe, sm90_moe, rng, shape):
     """Stream-K shapes where the launch has more units than SMs (units cut between CTAs, their later
     parts summed through the fp32 workspace by the owner): gate_up (fused SiLU·mul) and down against
@@ -822,3 +823,40 @@ def test_sm90_l2_ahead_and_b_first_equal_plain(cuda_backend, cuda_moe, sm90_moe,
     monkeypatch.setenv(moe_sm90.B_FIRST_ENV, "2")
     with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_B_FIRST"):
         moe_sm90.b_first()
+
+
+@pytest.mark.parametrize("tokens", [16, 64, 300])
+def test_sm90_tiled_switch_equals_rows(cuda_backend, sm90_moe, rng, monkeypatch, tokens):
+    """OPENINFER_MOE_SM90_TILED=1 (decode-sized launches read the weight repacked by tiled_weight, SM90_TILED_B):
+    moe_forward gives the row layout's bits, gate_up with SiLU·mul and down with the shared experts fused (ragged:
+    the shared experts take every token, some routed ones none), PDL on; a capture before any copy exists reads the
+    rows (no repack inside the graph), one after the eager run the copies; 300 tokens (above the decode bound) keep
+    the rows; a bad value is a clear error."""
+    moe_sm90 = sm90_moe
+    hidden, inter = 512, 192  # 192: a partial 128-row down tile, 3 gate / up tiles of 64
+    moe, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    monkeypatch.delenv(moe_sm90.TILED_ENV, raising=False)
+    plain = moe.moe_forward(cuda_backend, x, fused).get()
+    monkeypatch.setenv(moe_sm90.TILED_ENV, "1")
+    per_expert = tokens * 8 / fused.gate_up.num_experts
+    assert moe_sm90.tiled_wanted(per_expert) is (per_expert <= moe_sm90.DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT)
+    moe_sm90._tiled_copies.clear()
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        for made in (False, True):  # the first capture before the copies exist, then after an eager run
+            stream.begin_capture()
+            try:
+                out = moe.moe_forward(cuda_backend, x, fused)
+            finally:
+                graph = stream.end_capture()
+            assert not moe_sm90._tiled_copies or made
+            out[...] = 0
+            graph.launch(stream)
+            stream.synchronize()
+            assert np.array_equal(out.get(), plain)
+            assert np.array_equal(moe.moe_forward(cuda_backend, x, fused).get(), plain)
+            assert bool(moe_sm90._tiled_copies) is moe_sm90.tiled_wanted(per_expert)
+    monkeypatch.setenv(moe_sm90.TILED_ENV, "sometimes")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_TILED"):
+        moe_sm90.tiled_wanted(1.0)

@@ -31,6 +31,7 @@ default since D2 of 2026-11-24 (see SM90_PDL_ENV).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ import numpy as np
 
 from openinfer.backend.cuda.loader import arch_kernel
 from openinfer.backend.cuda.pdl_launch import launch
+from openinfer.backend.cuda.sm90_tiles import tiled_weight
 from openinfer.backend.cuda.tensor_maps import TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
 
 if TYPE_CHECKING:
@@ -82,6 +84,7 @@ class Sm90Shape:
     stream_k: bool = False
     k_sub: int = 1
     ctas_per_sm: int = 1  # persistent CTAs per SM (sm90_grid): 2 run two producers' rings side by side
+    tiled_weights: bool = False  # SM90_TILED_B: the weight repacked so each unit's k-tiles are one run (tiled_weight)
 
     @property
     def threads(self) -> int:
@@ -125,6 +128,13 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
     # (SM90_SHAPE_CHOICE); k2_x2 (2 stages of 128-wide k) unmeasured
     "m64_n128_k2_x2": Sm90Shape(tile_m=64, tile_n=128, k_sub=2, stages=2, ctas_per_sm=2),
     "m64_n128_s4_x2": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2),
+    # stream-K over the decode shape: each CTA the same number of k-tiles (a unit is the same weight bytes whatever its
+    # slots, so the last of ~4.3 waves of whole units leaves two thirds of the CTAs idle at 16 tokens)
+    "m64_n128_s4_x2_sk": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, stream_k=True),
+    # the same two on the repacked weight (SM90_TILED_B, tiled_weight): each unit's weights one contiguous run
+    "m64_n128_s4_x2_tw": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, tiled_weights=True),
+    "m64_n128_s4_x2_sk_tw": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, stream_k=True,
+                                      tiled_weights=True),
 }
 # The shape by slots per expert (the first entry whose bound holds). Default since E1 (H200, 2026-11-24,
 # benchmarks/results/moe_grouped_experts_e1_h200.json; OPENINFER_MOE_SM90_SHAPE=base reverts): up to 24 slots
@@ -209,6 +219,46 @@ def b_first(slots_per_expert: float = 0.0) -> bool:
     return text == "1"
 
 
+# OPENINFER_MOE_SM90_TILED (opt-in until a device A/B says faster; =1 on): decode-sized launches (up to
+# DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT slots per expert) of a shape with 64-wide k stages read a copy of the weight
+# repacked so each work unit's k-tiles are one contiguous run (moe_sm90.cu SM90_TILED_B, ``tiled_weight``): one TMA box
+# of TILE_N rows x 128 bytes a stage, a unit one 512 KB run (Moonlight gate_up) where the row layout reads 128 bytes
+# from each of 128 rows 4 KB apart (s12 D1's read ceilings: 128-byte runs of 128 rows 4.18 TB/s, a linear read 4.47).
+# The copy is made at a launch's first eager call and kept beside the row layout (the decode GEMV at one token and
+# the prefill shapes read the rows); a launch being captured before its copy exists reads the rows. The same bits.
+TILED_ENV = "OPENINFER_MOE_SM90_TILED"
+DEFAULT_TILED = False
+
+
+def tiled_wanted(slots_per_expert: float) -> bool:
+    """$OPENINFER_MOE_SM90_TILED (1 / 0; unset: DEFAULT_TILED) for launches of at most
+    DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT slots per expert; another value: a clear error."""
+    value = os.environ.get(TILED_ENV, "").lower()
+    if value not in ("", "0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{TILED_ENV} must be 1 or 0 (on / off), got {value!r}")
+    on = DEFAULT_TILED if value == "" else value in ("1", "true", "on")
+    return on and slots_per_expert <= DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT
+
+
+# the repacked copies: (weight address, shape, tile_n, fused) -> (the source array, kept so its address stays its
+# own while the copy lives; the copy)
+_tiled_copies: dict[tuple[int, tuple[int, ...], int, bool], tuple[cupy.ndarray, cupy.ndarray]] = {}
+
+
+def tiled_copy(weight: ExpertLinear, tile_n: int, fuse_silu: bool) -> cupy.ndarray | None:
+    """The SM90_TILED_B copy of ``weight`` (made on first use, outside a graph capture, from CuPy's default pool);
+    None while a capture runs and none exists yet."""
+    key = (weight.data.data.ptr, tuple(weight.data.shape), tile_n, fuse_silu)
+    found = _tiled_copies.get(key)
+    if found is None:
+        if cupy.cuda.get_current_stream().is_capturing():
+            return None
+        with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+            found = (weight.data, tiled_weight(weight.data, tile_n, fuse_silu, xp=cupy))
+        _tiled_copies[key] = found
+    return found[1]
+
+
 def sm90_pdl() -> bool:
     """$OPENINFER_MOE_SM90_PDL ("1"/"on" or "0"/"off"; unset: DEFAULT_SM90_PDL)."""
     value = os.environ.get(SM90_PDL_ENV, "").lower()
@@ -283,6 +333,13 @@ def weight_box_layout(weight: ExpertLinear, box_rows: int = SM90_BOX_ROWS) -> Pa
     return PageBoxLayout(dims=(k, 1, rows), strides=(2 * k, 2 * k), box=(SM90_TILE_K, 1, box_rows))
 
 
+def tiled_box_layout(tiled: cupy.ndarray, tile_n: int) -> PageBoxLayout:
+    """The tensor-map layout of a ``tiled_weight`` copy: rows of 64 elements, boxes of ``tile_n`` rows (one block)."""
+    rows = int(tiled.shape[0])
+    return PageBoxLayout(dims=(SM90_TILE_K, 1, rows), strides=(2 * SM90_TILE_K, 2 * SM90_TILE_K),
+                         box=(SM90_TILE_K, 1, tile_n))
+
+
 class WeightMaps:
     """The tensor map of each weight array, encoded once (host bytes: a kernel parameter). Keyed by
     device address and layout, so an array freed and reallocated alike reuses a map still right."""
@@ -291,7 +348,10 @@ class WeightMaps:
         self._maps: dict[tuple[int, PageBoxLayout], np.ndarray] = {}
 
     def get(self, weight: ExpertLinear, box_rows: int = SM90_BOX_ROWS) -> np.ndarray:
-        key = (weight.data.data.ptr, weight_box_layout(weight, box_rows))
+        return self.of(weight.data.data.ptr, weight_box_layout(weight, box_rows))
+
+    def of(self, address: int, layout: PageBoxLayout) -> np.ndarray:
+        key = (address, layout)
         found = self._maps.get(key)
         if found is None:
             found = encode_page_map(*key).view(TENSOR_MAP_PARAM)
@@ -371,6 +431,10 @@ def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl:
         extra["SM90_L2_AHEAD"] = int(ahead)
     if weights_first:
         extra["SM90_B_FIRST"] = 1
+    if tiles.tiled_weights:
+        if multicast or tiles.k_sub != 1 or ahead:
+            raise ValueError("moe_sm90's tiled-weight build runs single CTAs on 64-wide k stages, no L2 look-ahead")
+        extra["SM90_TILED_B"] = 1
     return arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", tiles.shared_bytes(), SM90_STAGES=tiles.stages,
                        SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast), **extra)
 
@@ -395,8 +459,11 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     # CTA pairs run the base tiles (unless a shape is named: then sm90_kernel says what cannot pair)
     tiles = SM90_SHAPES["base"] if multicast and shape is None else sm90_shape(num_slots / weight.num_experts, shape)
     if stages is not None:
-        tiles = Sm90Shape(tiles.tile_m, tiles.tile_n, stages, tiles.skip_empty, tiles.stream_k, tiles.k_sub,
-                          tiles.ctas_per_sm)
+        tiles = dataclasses.replace(tiles, stages=stages)
+    per_expert = num_slots / weight.num_experts
+    if (not tiles.tiled_weights and not multicast and tiles.k_sub == 1 and tiled_wanted(per_expert)
+            and l2_ahead(per_expert) == 0):
+        tiles = dataclasses.replace(tiles, tiled_weights=True)
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
     out = cupy.empty((num_slots, out_features), dtype=cupy.uint16)
     if num_slots == 0:
@@ -405,15 +472,18 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     shared = tiles.shared_bytes()
     if shared > SM90_MAX_SHARED_BYTES:
         raise ValueError(f"moe_sm90 tiles {tiles} need {shared} bytes of shared memory (at most {SM90_MAX_SHARED_BYTES})")
+    tiled = tiled_copy(weight, tiles.tile_n, fuse_silu) if tiles.tiled_weights else None
+    if tiles.tiled_weights and tiled is None:  # first met inside a graph capture: the row layout
+        tiles = dataclasses.replace(tiles, tiled_weights=False)
     wait_first = after_grouping and not multicast and gate_up_pdl()
     pdl = 2 if wait_first else int(sm90_pdl() and not multicast)
-    per_expert = num_slots / weight.num_experts
-    ahead = l2_ahead(per_expert) if not (multicast or tiles.stream_k) else 0
+    ahead = l2_ahead(per_expert) if not (multicast or tiles.stream_k or tiles.tiled_weights) else 0
     fn = sm90_kernel(tiles, fuse_silu, multicast, pdl, _rotate_units if _rotate_units < weight.num_experts else 0,
                      ahead, b_first(per_expert))
     grid = sm90_grid(num_slots, weight, fuse_silu, multicast, tiles)
     args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
-            weight_maps.get(weight, tiles.tile_n // 2), grouping.offsets, np.int32(weight.num_experts), out,
+            weight_maps.get(weight, tiles.tile_n // 2) if tiled is None else
+            weight_maps.of(tiled.data.ptr, tiled_box_layout(tiled, tiles.tile_n)), grouping.offsets, np.int32(weight.num_experts), out,
             np.int32(weight.out_features), np.int32(weight.in_features))
     if tiles.stream_k:  # each CTA's part of a unit cut at its start (fp32, fragment order), and its flag
         flags = _stream_k_flags(fuse_silu, gather)
