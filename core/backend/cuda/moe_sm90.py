@@ -387,7 +387,9 @@ def _stream_k_flags(fuse_silu: bool, gather: bool) -> cupy.ndarray | None:
     if key not in _flag_buffers:
         if stream.is_capturing():
             return None
-        _flag_buffers[key] = cupy.zeros(_device_traits(key[0])[1], dtype=cupy.int32)
+        # a flag per CTA of the largest grid: SMs x the most CTAs per SM of any shape
+        most = max(shape.ctas_per_sm for shape in SM90_SHAPES.values())
+        _flag_buffers[key] = cupy.zeros(_device_traits(key[0])[1] * most, dtype=cupy.int32)
     return _flag_buffers[key]
 
 
