@@ -161,17 +161,18 @@ __device__ __forceinline__ int sm90_expert_at(int j, int num_experts) {
 #define SM90_B_FIRST 0
 #endif
 
-// SM90_TILED_B=1 (OPENINFER_MOE_SM90_TILED; moe_sm90.py ``tiled_weight``): the weight was repacked at load so that a
-// work unit's k-tiles are one contiguous run: [E][n-tile][k-tile][SM90_TILE_N rows][64] bf16 (fused: the tile's
-// TILE_N / 2 gate rows, then its TILE_N / 2 up rows; zeros past N or K). Each stage's weights are one TMA box of
-// TILE_N rows x 128 bytes (16 KB at TILE_N 128) right after the previous stage's, so a CTA streams one 512 KB run
-// per unit (Moonlight gate_up) where the row layout reads 128 bytes from each of 128 rows 4 KB apart: fewer DRAM
-// pages opened per byte. The map views the repacked array as rows of 64 elements (one box: TILE_N of them).
+// SM90_TILED_B=L (OPENINFER_MOE_SM90_TILED; moe_sm90.py ``tiled_copy``; 0: the row layout): the weight was repacked
+// at load into blocks of L rows x 64 k, [E][n-block][k-tile][L rows][64] bf16, an n-block's k-tiles one after another
+// (fused gate_up: a block's L / 2 gate rows, then the same L / 2 up rows; zeros past N or K). A tile of TILE_N == L
+// rows reads one box a stage, the block right after the previous stage's: a unit streams one contiguous run (512 KB
+// of Moonlight's gate_up at L = 128) where the row layout reads 128 bytes from each of 128 rows 4 KB apart (fewer
+// DRAM pages opened per byte). Other tile widths read 64-row boxes of the blocks they cover. The map views the
+// repacked array as rows of 64 elements; its box is L rows when TILE_N == L, else 64.
 #ifndef SM90_TILED_B
 #define SM90_TILED_B 0
 #endif
-#if SM90_TILED_B && (SM90_MULTICAST || SM90_K_SUB != 1 || SM90_L2_AHEAD)
-#error "SM90_TILED_B is built for single CTAs with 64-wide k stages and no L2 look-ahead"
+#if SM90_TILED_B && ((SM90_TILED_B != 128 && SM90_TILED_B != 256) || SM90_MULTICAST || SM90_K_SUB != 1 || SM90_L2_AHEAD)
+#error "SM90_TILED_B is 128 or 256 block rows, built for single CTAs with 64-wide k stages and no L2 look-ahead"
 #endif
 
 __device__ __forceinline__ void tma_prefetch_l2_3d(const void* map, int x, int y, int z) {
@@ -203,9 +204,31 @@ __device__ __forceinline__ ExpertTile expert_tile(int tile, int n_tiles, const i
     return w;
 }
 
-// SM90_TILED_B: the first 64-element row of unit w's k-tile kt in the repacked weight (its block of TILE_N rows)
-__device__ __forceinline__ int tiled_block_row(const ExpertTile& w, int kt, int n_tiles, int k_tiles) {
-    return ((w.expert * n_tiles + w.column / SM90_OUT_TILE_N) * k_tiles + kt) * SM90_TILE_N;
+// SM90_TILED_B: the weight boxes of unit w's k-tile kt (k_tiles of 64 per block row) into the stage at b_smem, in the
+// row layout's places (fused: gate rows, then up rows), landing on `full`
+__device__ __forceinline__ void load_tiled_weights(u32 b_smem, const TensorMap* map, const ExpertTile& w, int kt,
+                                                   int out_features, int k_tiles, u32 full) {
+#if SM90_TILED_B
+#if SM90_FUSE_SILU
+    constexpr int half = SM90_TILED_B / 2;  // output columns of a block (its gate rows; the up rows follow)
+#else
+    constexpr int half = SM90_TILED_B;
+#endif
+    const int blocks = (out_features + half - 1) / half;  // n-blocks per expert
+#if SM90_TILED_B == SM90_TILE_N  // the tile is one block: one box
+    tma_load_3d(b_smem, map, 0, 0, ((w.expert * blocks + w.column / half) * k_tiles + kt) * SM90_TILED_B, full);
+#else  // 64-row pieces of the blocks the tile covers
+#pragma unroll
+    for (int i = 0; i < SM90_OUT_TILE_N / 64; ++i) {
+        const int c = w.column + 64 * i;
+        const int row = ((w.expert * blocks + c / half) * k_tiles + kt) * SM90_TILED_B + c % half;
+        tma_load_3d(b_smem + i * 64 * 128, map, 0, 0, row, full);
+#if SM90_FUSE_SILU
+        tma_load_3d(b_smem + (SM90_TILE_N / 2 + 64 * i) * 128, map, 0, 0, row + half, full);
+#endif
+    }
+#endif
+#endif
 }
 
 // A consumer warp is done reading a stage. SM90_MULTICAST: the next copies into it come from both
@@ -347,7 +370,7 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                     const u32 b_smem = base + s * SM90_STAGE_BYTES + SM90_A_BYTES, full = bar_full + 8 * s;
                     mbar_arrive_expect_bytes(full, SM90_B_BYTES);
 #if SM90_TILED_B
-                    tma_load_3d(b_smem, &weight_map, 0, 0, tiled_block_row(w, kt, n_tiles, k_tiles), full);
+                    load_tiled_weights(b_smem, &weight_map, w, kt, out_features, k_tiles, full);
 #else
 #pragma unroll
                     for (int sub = 0; sub < SM90_K_SUB; ++sub) {
@@ -389,7 +412,7 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
 #endif
                     mbar_arrive_expect_bytes(full, SM90_B_BYTES);  // both boxes land here (SM90_MULTICAST: one from each CTA)
 #if SM90_TILED_B
-                    tma_load_3d(b_smem, &weight_map, 0, 0, tiled_block_row(w, kt, n_tiles, k_tiles), full);
+                    load_tiled_weights(b_smem, &weight_map, w, kt, out_features, k_tiles, full);
 #elif SM90_MULTICAST
                     tma_load_3d_multicast(b_smem + rank * SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0,
                                           rank ? second_row : first_row, full, 3);

@@ -43,7 +43,7 @@ def _max_error(ours, reference) -> float:
 
 @pytest.mark.parametrize("shape", ["base", "skip", "m64_s5", "m64_n128_s8", "n128_s6", "sk", "n128_s6_sk",
                                    "m64_n128_k2", "m64_n128_k3", "m64_n128_k4", "m64_n128_k2_x2",
-                                   "m64_n128_s4_x2", "m64_n128_s4_x2_tw"])
+                                   "m64_n128_s4_x2", "m64_n128_s4_x2_tw", "base_tw"])
 def test_sm90_shapes_match_numpy(cuda_backend, cuda_moe, sm90_moe, rng, shape):
     """Every SM90_SHAPES build on ragged experts (an empty expert, one over several 64- and 128-slot
     tiles, tiles of 1-5 slots: a warpgroup all padding), K = 200 (a partial 64- and 128-wide k-stage:

@@ -135,6 +135,8 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
     "m64_n128_s4_x2_tw": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, tiled_weights=True),
     "m64_n128_s4_x2_sk_tw": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, stream_k=True,
                                       tiled_weights=True),
+    # the prefill shape on the same copy (256-row tiles: four 64-row boxes a stage, fused; two of 128 rows' halves)
+    "base_tw": Sm90Shape(tiled_weights=True),
 }
 # The shape by slots per expert (the first entry whose bound holds). Default since E1 (H200, 2026-11-24,
 # benchmarks/results/moe_grouped_experts_e1_h200.json; OPENINFER_MOE_SM90_SHAPE=base reverts): up to 24 slots
@@ -228,6 +230,7 @@ def b_first(slots_per_expert: float = 0.0) -> bool:
 # the prefill shapes read the rows); a launch being captured before its copy exists reads the rows. The same bits.
 TILED_ENV = "OPENINFER_MOE_SM90_TILED"
 DEFAULT_TILED = False
+TILED_BLOCK_ROWS = 128  # the layout's block: the decode shape's tile (one box a stage); other tiles read 64-row boxes
 
 
 def tiled_wanted(slots_per_expert: float) -> bool:
@@ -245,16 +248,16 @@ def tiled_wanted(slots_per_expert: float) -> bool:
 _tiled_copies: dict[tuple[int, tuple[int, ...], int, bool], tuple[cupy.ndarray, cupy.ndarray]] = {}
 
 
-def tiled_copy(weight: ExpertLinear, tile_n: int, fuse_silu: bool) -> cupy.ndarray | None:
-    """The SM90_TILED_B copy of ``weight`` (made on first use, outside a graph capture, from CuPy's default pool);
-    None while a capture runs and none exists yet."""
-    key = (weight.data.data.ptr, tuple(weight.data.shape), tile_n, fuse_silu)
+def tiled_copy(weight: ExpertLinear, fuse_silu: bool, block_rows: int = TILED_BLOCK_ROWS) -> cupy.ndarray | None:
+    """The SM90_TILED_B copy of ``weight`` (``tiled_weight``; made on first use, outside a graph capture, from CuPy's
+    default pool); None while a capture runs and none exists yet."""
+    key = (weight.data.data.ptr, tuple(weight.data.shape), block_rows, fuse_silu)
     found = _tiled_copies.get(key)
     if found is None:
         if cupy.cuda.get_current_stream().is_capturing():
             return None
         with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
-            found = (weight.data, tiled_weight(weight.data, tile_n, fuse_silu, xp=cupy))
+            found = (weight.data, tiled_weight(weight.data, block_rows, fuse_silu, xp=cupy))
         _tiled_copies[key] = found
     return found[1]
 
@@ -333,11 +336,12 @@ def weight_box_layout(weight: ExpertLinear, box_rows: int = SM90_BOX_ROWS) -> Pa
     return PageBoxLayout(dims=(k, 1, rows), strides=(2 * k, 2 * k), box=(SM90_TILE_K, 1, box_rows))
 
 
-def tiled_box_layout(tiled: cupy.ndarray, tile_n: int) -> PageBoxLayout:
-    """The tensor-map layout of a ``tiled_weight`` copy: rows of 64 elements, boxes of ``tile_n`` rows (one block)."""
+def tiled_box_layout(tiled: cupy.ndarray, tile_n: int, block_rows: int = TILED_BLOCK_ROWS) -> PageBoxLayout:
+    """The tensor-map layout of a ``tiled_weight`` copy: rows of 64 elements, boxes of one block (a tile as wide as
+    the block) or 64 rows (moe_sm90.cu load_tiled_weights)."""
     rows = int(tiled.shape[0])
     return PageBoxLayout(dims=(SM90_TILE_K, 1, rows), strides=(2 * SM90_TILE_K, 2 * SM90_TILE_K),
-                         box=(SM90_TILE_K, 1, tile_n))
+                         box=(SM90_TILE_K, 1, block_rows if tile_n == block_rows else 64))
 
 
 class WeightMaps:
@@ -436,7 +440,7 @@ def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl:
     if tiles.tiled_weights:
         if multicast or tiles.k_sub != 1 or ahead:
             raise ValueError("moe_sm90's tiled-weight build runs single CTAs on 64-wide k stages, no L2 look-ahead")
-        extra["SM90_TILED_B"] = 1
+        extra["SM90_TILED_B"] = TILED_BLOCK_ROWS
     return arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", tiles.shared_bytes(), SM90_STAGES=tiles.stages,
                        SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast), **extra)
 
@@ -474,7 +478,7 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     shared = tiles.shared_bytes()
     if shared > SM90_MAX_SHARED_BYTES:
         raise ValueError(f"moe_sm90 tiles {tiles} need {shared} bytes of shared memory (at most {SM90_MAX_SHARED_BYTES})")
-    tiled = tiled_copy(weight, tiles.tile_n, fuse_silu) if tiles.tiled_weights else None
+    tiled = tiled_copy(weight, fuse_silu) if tiles.tiled_weights else None
     if tiles.tiled_weights and tiled is None:  # first met inside a graph capture: the row layout
         tiles = dataclasses.replace(tiles, tiled_weights=False)
     wait_first = after_grouping and not multicast and gate_up_pdl()
