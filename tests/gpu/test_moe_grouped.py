@@ -860,3 +860,28 @@ def test_sm90_tiled_switch_equals_rows(cuda_backend, sm90_moe, rng, monkeypatch,
     monkeypatch.setenv(moe_sm90.TILED_ENV, "sometimes")
     with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_TILED"):
         moe_sm90.tiled_wanted(1.0)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_sm90_above_switch_at_one_token(cuda_backend, sm90_moe, rng, monkeypatch, tokens):
+    """OPENINFER_MOE_SM90_ABOVE=0 (the Hopper kernel below its default bound: one token's 8 slots over 66 experts),
+    with the tiled weights: moe_forward within bf16 rounding of the decode GEMV's and of NumPy fp32; a bad value is a
+    clear error."""
+    hidden, inter = 512, 192
+    moe, layer, fused, _, host = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    x_host = bf16_random(rng, tokens, hidden)
+    x = cuda_backend.upload(x_host)
+    ids, weights = moe.route(x, fused.gate, fused.router, fused.correction_bias, shared_experts=fused.shared_experts)
+    grouping = moe.group_by_expert(ids, weights, fused.gate_up.num_experts)
+    monkeypatch.delenv(sm90_moe.SM90_ABOVE_ENV, raising=False)
+    assert not moe.sm90_routed(x, fused.gate_up, grouping)
+    gemv = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, fused))
+    monkeypatch.setenv(sm90_moe.SM90_ABOVE_ENV, "0")
+    monkeypatch.setenv(sm90_moe.TILED_ENV, "1")
+    assert moe.sm90_routed(x, fused.gate_up, grouping)
+    hopper = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, fused))
+    assert relative_error(hopper, gemv) < 2e-2
+    assert relative_error(hopper, _moe_reference(x_host, layer.router, host)) < 2e-2
+    monkeypatch.setenv(sm90_moe.SM90_ABOVE_ENV, "-1")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_ABOVE"):
+        sm90_moe.sm90_above_rows_per_expert()

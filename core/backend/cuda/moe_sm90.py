@@ -61,6 +61,24 @@ SM90_MAX_SHARED_BYTES = 227 * 1024 - 2 * 513 * 4  # an H100's opt-in limit less 
 # ran before: 239 vs 257 us at 16 tokens (moe_gemv_wide), 276 vs 307 at 32, 285 vs 316 at 48, 287 vs 318
 # at 64); below, unmeasured: the decode GEMVs keep those steps.
 SM90_ABOVE_ROWS_PER_EXPERT = 1.4
+# OPENINFER_MOE_SM90_ABOVE=<slots per expert> moves that bound (opt-in A/B: 0 runs the Hopper kernel at every decode
+# size, one token included, where a unit's weights stream on their own CTA: with the tiled layout a contiguous run)
+SM90_ABOVE_ENV = "OPENINFER_MOE_SM90_ABOVE"
+
+
+def sm90_above_rows_per_expert() -> float:
+    """$OPENINFER_MOE_SM90_ABOVE (a number >= 0; unset: SM90_ABOVE_ROWS_PER_EXPERT; another value: a clear error)."""
+    text = os.environ.get(SM90_ABOVE_ENV, "")
+    if text == "":
+        return SM90_ABOVE_ROWS_PER_EXPERT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"{SM90_ABOVE_ENV} is a number of slots per expert >= 0, got {text!r}")
+    return value
+
 # CTA pairs (clusters of 2) on 256-slot units of one expert, each weight tile copied once for both by
 # TMA multicast (a lone CTA's 128 x 256 tile reads 768 bytes from L2 per k column for 64 K MMAs, a
 # pair's CTA 512), from this many slots per expert on (a pair's unit is 256 slots: fewer leave its
@@ -505,6 +523,6 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
 
 def sm90_experts(a: cupy.ndarray, weight: ExpertLinear, num_slots: int, fuse_silu: bool = False) -> bool:
     """Whether a grouped GEMM of ``num_slots`` slots takes moe_grouped_gemm_sm90: switched on
-    (``sm90_enabled``), ``sm90_ready`` and more than SM90_ABOVE_ROWS_PER_EXPERT slots per expert."""
-    return (sm90_enabled() and num_slots > SM90_ABOVE_ROWS_PER_EXPERT * weight.num_experts
+    (``sm90_enabled``), ``sm90_ready`` and more than ``sm90_above_rows_per_expert`` slots per expert."""
+    return (sm90_enabled() and num_slots > sm90_above_rows_per_expert() * weight.num_experts
             and sm90_ready(a, weight, fuse_silu))
