@@ -845,7 +845,7 @@ def test_tma_fused_combine_graph_replay_equals_eager(cuda_backend, rng, monkeypa
 def test_q_view_equals_copy_then_write(cuda_backend, rng, monkeypatch, heads, step, kernel):
     """$OPENINFER_MLA_Q_VIEW=1: q and the latent as row views of one fused [T, q | latent] buffer (as the kimi model
     passes Moonlight's); the latent write stores the rotated q_pe into its own buffer and W_UK reads q through its
-    row stride: the same output bits and cached latent rows as the copy + in-place rotation (decodes, 16 decodes, a
+    row stride: the same cached latent rows and (within W_UK's summation order) output as the copy + in-place rotation (decodes, 16 decodes, a
     mixed step whose decompressed rows take the copy, one row), the fused buffer left as it was where q is read in
     place, within bf16 of NumPy; a bad value is a clear error."""
     from openinfer.backend.cuda import mla as cuda_mla
@@ -872,9 +872,11 @@ def test_q_view_equals_copy_then_write(cuda_backend, rng, monkeypatch, heads, st
         results[view] = (out.get(), device_cache.get())
         if view == "1" and step != "mixed":
             assert np.array_equal(fused.get(), before.get())  # q read where it lies, never rotated in place
-    assert np.array_equal(results["1"][0], results["0"][0])
-    assert np.array_equal(results["1"][1], results["0"][1])
+    assert np.array_equal(results["1"][1], results["0"][1])  # the same latent rows cached
     out = cuda_backend.to_host(cupy.asarray(results["1"][0]))
+    # the same bits wherever cuBLAS runs the same W_UK kernel for q's row stride (a different one may sum the 128
+    # nope dims in another order: then bf16-close)
+    assert relative_error(out, cuda_backend.to_host(cupy.asarray(results["0"][0]))) < 4e-3
     assert relative_error(out, reference) < BF16_TOL
     for row in range(out.shape[0]):
         assert relative_error(out[row], reference[row]) < BF16_TOL, row
