@@ -87,6 +87,39 @@ extern "C" __global__ void mla_write_latent(const bf16* __restrict__ kv_a /* [T,
         mla_rotate_q_pe(q, t, i / half, i % half, num_heads, q_stride, q_pe_offset, cos_row, sin_row);
 }
 
+// mla_write_latent that leaves q where it is: the rows of q_src (a row view of the fused q / kv_a projection,
+// q_src_stride elements apart, heads q_stride apart, q_pe at q_pe_offset of each head) are read, and every head's
+// q_pe is stored rotated into its own contiguous q_pe [T, num_heads, ROPE_DIM] (the attention kernels read it with
+// q_stride ROPE_DIM, offset 0; W_UK reads q_nope straight from the view). No copy of q, no in-place rotation: the
+// same rotated values as mla_write_latent's. Blocks as mla_write_latent's.
+extern "C" __global__ void mla_write_latent_q_pe(const bf16* __restrict__ kv_a /* [T, kv_a_stride] */, int kv_a_stride,
+                                                 const bf16* __restrict__ norm_weight, float eps,
+                                                 const bf16* __restrict__ q_src, int q_src_stride,
+                                                 bf16* __restrict__ q_pe, int num_heads, int q_stride, int q_pe_offset,
+                                                 const int* __restrict__ positions,
+                                                 const int* __restrict__ slot_mapping,
+                                                 const float* __restrict__ cos_table,
+                                                 const float* __restrict__ sin_table, bf16* __restrict__ cache) {
+    __shared__ float scratch[32];
+    const int t = blockIdx.x;
+    mla_pdl_enter();
+    const int half = ROPE_DIM / 2;
+    const float* cos_row = cos_table + (long long)positions[t] * half;
+    const float* sin_row = sin_table + (long long)positions[t] * half;
+    if (blockIdx.y == 0)
+        mla_store_latent_row(kv_a + (long long)t * kv_a_stride, norm_weight, eps, slot_mapping[t], cos_row, sin_row,
+                             cache, scratch);
+    const bf16* src = q_src + (long long)t * q_src_stride + q_pe_offset;
+    bf16* dst = q_pe + (long long)t * num_heads * ROPE_DIM;
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < num_heads * half; i += gridDim.y * blockDim.x) {
+        const int h = i / half, d = i % half;  // mla_rotate_q_pe's sums
+        const bf16* pe = src + h * q_stride;
+        const float x1 = __bfloat162float(pe[d]), x2 = __bfloat162float(pe[half + d]);
+        dst[h * ROPE_DIM + d] = __float2bfloat16_rn(x1 * cos_row[d] - x2 * sin_row[d]);
+        dst[h * ROPE_DIM + half + d] = __float2bfloat16_rn(x2 * cos_row[d] + x1 * sin_row[d]);
+    }
+}
+
 #ifndef NOPE_DIM
 #define NOPE_DIM 128
 #endif

@@ -770,3 +770,116 @@ def test_absorb_side_bit_equal_to_one_stream(cuda_backend, rng, monkeypatch, dec
     monkeypatch.setenv(cuda_mla.ABSORB_SIDE_ENV, "yes")
     with pytest.raises(ValueError, match="OPENINFER_MLA_ABSORB_SIDE"):
         cuda_mla.absorb_side()
+
+
+@pytest.mark.parametrize("tile", ["32x2/2/rows", "16x4/1"])
+@pytest.mark.parametrize("heads", [16, 20, 64])
+@pytest.mark.parametrize("decodes", ["ragged", "one-long", "sixteen", "many"])
+@pytest.mark.parametrize("balance", ["0", "1"])
+def test_tma_fused_combine_and_fast_search_bit_equal(cuda_backend, rng, monkeypatch, tile, heads, decodes, balance):
+    """$OPENINFER_MLA_TMA_FUSED_COMBINE=1 (the last split of a (token, head block) to finish combines the partials:
+    no combine launch) and $OPENINFER_MLA_TMA_FAST_SEARCH=1 (the token's sequence found in one round of loads), each
+    and both: the combine kernel's bits on NaN-poisoned caches, twice in a row (the counts are back at 0 after each
+    launch), within bf16 of NumPy per row; a bad value is a clear error."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
+    monkeypatch.delenv(cuda_mla.COMBINE_ENV, raising=False)
+    monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, balance)
+    _set_tma_tile(monkeypatch, tile)
+    spec = _spec(heads)
+    cached, new = MANY_DECODES if decodes == "many" else _decode_rows(decodes)
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    _poison_unused_slots(device_cache, batch)
+    outs = {}
+    for fused, fast in (("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")):
+        monkeypatch.setenv(mla_decode_sm90.FUSED_COMBINE_ENV, fused)
+        monkeypatch.setenv(mla_decode_sm90.FAST_SEARCH_ENV, fast)
+        for run in range(2):
+            outs[fused, fast, run] = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent,
+                                                                   norm, weights, rope, "tma"))
+    plain = outs["0", "0", 0]
+    for key, out in outs.items():
+        assert np.array_equal(out, plain), key
+    counts = mla_decode_sm90._split_counts.get(cupy.cuda.Device().id)
+    assert counts is None or not counts.any()  # every slot reset by its last split
+    assert relative_error(plain, reference) < BF16_TOL
+    for row in range(plain.shape[0]):
+        assert relative_error(plain[row], reference[row]) < BF16_TOL, row
+    for env, check in ((mla_decode_sm90.FUSED_COMBINE_ENV, mla_decode_sm90.fused_combine),
+                       (mla_decode_sm90.FAST_SEARCH_ENV, mla_decode_sm90.fast_search)):
+        monkeypatch.setenv(env, "yes")
+        with pytest.raises(ValueError, match=env):
+            check()
+        monkeypatch.setenv(env, "1")
+
+
+@pytest.mark.parametrize("fused,fast,view", [("1", "1", "0"), ("1", "0", "1"), ("1", "1", "1")])
+def test_tma_fused_combine_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, fused, fast, view):
+    """The fused combine, the one-round search and q read in place captured in a CUDA graph and replayed (the counts
+    are reset by the replayed kernel itself): the eager step's bits."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.setenv(mla_decode_sm90.FUSED_COMBINE_ENV, fused)
+    monkeypatch.setenv(mla_decode_sm90.FAST_SEARCH_ENV, fast)
+    monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, view)
+    _graph_replay_equals_eager(cuda_backend, rng, "tma")
+    spec = _spec(16)
+    step = ragged_mla_step(rng, spec, *_decode_rows("sixteen"), BLOCK_SIZE)
+    device_cache = cuda_backend.upload(step[1]).reshape(step[1].shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    eager = _stream_forward(cuda_backend, spec, step, device_cache, "tma", graph=False)
+    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, "tma", graph=True), eager)
+    assert relative_error(eager, step[7]) < BF16_TOL
+
+
+@pytest.mark.parametrize("heads", [16, 20, 64])
+@pytest.mark.parametrize("step", ["decodes", "sixteen", "mixed", "one"])
+@pytest.mark.parametrize("kernel", ["tma", "mma_shared", "mma"])
+def test_q_view_equals_copy_then_write(cuda_backend, rng, monkeypatch, heads, step, kernel):
+    """$OPENINFER_MLA_Q_VIEW=1: q and the latent as row views of one fused [T, q | latent] buffer (as the kimi model
+    passes Moonlight's); the latent write stores the rotated q_pe into its own buffer and W_UK reads q through its
+    row stride: the same cached latent rows and (within W_UK's summation order) output as the copy + in-place rotation (decodes, 16 decodes, a
+    mixed step whose decompressed rows take the copy, one row), the fused buffer left as it was where q is read in
+    place, within bf16 of NumPy; a bad value is a clear error."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    if kernel == "tma" and not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    spec = _spec(heads)
+    cached, new = {"decodes": DECODES["ragged"], "sixteen": _decode_rows("sixteen"),
+                   "mixed": ([0, 100, 57, 3], [40, 1, 1, 30]), "one": ([700], [1])}[step]
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
+    fused = cuda_backend.upload(np.concatenate([q, latent], axis=1))
+    before = fused.copy()
+    width = q.shape[1]
+    args = (cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv), cuda_backend.weight(norm), spec,
+            cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos), cupy.asarray(rope.sin), 1e-6)
+    results = {}
+    for view in ("0", "1"):
+        monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, view)
+        assert cuda_mla.q_view_fits(fused[:, :width], spec) is (view == "1")
+        device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+        fused[...] = before
+        out = cuda_mla.mla_forward(cuda_backend.blas, fused[:, :width], fused[:, width:], device_cache, *args,
+                                   prefill_min_query=16, absorbed_kernel=kernel)
+        results[view] = (out.get(), device_cache.get())
+        if view == "1" and step != "mixed":
+            assert np.array_equal(fused.get(), before.get())  # q read where it lies, never rotated in place
+    assert np.array_equal(results["1"][1], results["0"][1])  # the same latent rows cached
+    out = cuda_backend.to_host(cupy.asarray(results["1"][0]))
+    # the same bits wherever cuBLAS runs the same W_UK kernel for q's row stride (a different one may sum the 128
+    # nope dims in another order: then bf16-close)
+    assert relative_error(out, cuda_backend.to_host(cupy.asarray(results["0"][0]))) < 4e-3
+    assert relative_error(out, reference) < BF16_TOL
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], reference[row]) < BF16_TOL, row
+    monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_Q_VIEW"):
+        cuda_mla.q_view_fits(fused[:, :width], spec)
