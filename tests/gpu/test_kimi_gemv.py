@@ -48,7 +48,8 @@ GROUPED_KERNELS = [False, "moe_gemv", "wide", "wide_nc", "mma", "mma_nc", "mma_s
 LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "tiled1_nc_rot", "groups", "groups_d2",
                        "groups_norot_acc2", "groups_acc2", "groups_norot_acc4",
                        "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6",
-                       "groups_s8_k2", "groups_s8_p2", "groups_s8_p4"]
+                       "groups_s8_k2", "groups_s8_p2", "groups_s8_p4", "groups_bulk4", "groups_bulk8", "groups_bulk8_rot",
+                       "groups_bulk4_k2", "groups_bulk6_k2"]
 
 
 def _kernel_id(kernel) -> str:
@@ -277,14 +278,18 @@ def test_wide_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_k
 # --- the lane-groups layout (tile_int4(lane_groups=True), moe.cu INT4_TILED 2) and moe_int4.cu's GEMV ---
 
 
+@pytest.mark.parametrize("gemv_kernel", [None, "groups_bulk8", "groups_bulk4_k2"])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 64])
-def test_lane_groups_moe_forward_equals_rows(cuda_backend, rng, tokens):
+def test_lane_groups_moe_forward_equals_rows(cuda_backend, rng, monkeypatch, tokens, gemv_kernel):
     """moe_forward (routing, gate_up GEMV, SiLU·mul, down GEMV, weighted combine) with lane-groups experts:
     within bf16 rounding of the checkpoint layout's block (1-3 tokens: moe_gemv_int4_groups; 64: past
-    LANE_GROUPS_CHOICE, the table's kernel), and a CUDA-graph replay gives the eager bits."""
+    LANE_GROUPS_CHOICE, the table's kernel; ``gemv_kernel``: that one forced, the TMA bulk rings), and a CUDA-graph
+    replay gives the eager bits."""
     from openinfer.moe import RouterSpec
 
     moe = _moe_cuda()
+    if gemv_kernel is not None:
+        monkeypatch.setenv(moe.GEMV_KERNEL_ENV, gemv_kernel)
     hidden, inter, experts = 256, 128, 16
     gate_up, _ = _int4_experts(rng, experts, 2 * inter, hidden)
     down, _ = _int4_experts(rng, experts, hidden, inter)
@@ -312,7 +317,8 @@ def test_lane_groups_moe_forward_equals_rows(cuda_backend, rng, tokens):
         assert np.array_equal(cuda_backend.to_host(out), eager)
 
 
-@pytest.mark.parametrize("gemv_kernel", ["groups", "groups_d2", "groups_d6", "groups_norot", "groups_s8", "groups_s8_k2"])
+@pytest.mark.parametrize("gemv_kernel", ["groups", "groups_d2", "groups_d6", "groups_norot", "groups_s8", "groups_s8_k2",
+                                         "groups_bulk4", "groups_bulk8", "groups_bulk4_k2", "groups_bulk6_k2"])
 @pytest.mark.parametrize("tokens", [1, 2, 40])
 def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_kernel, tokens):
     """OPENINFER_MOE_GEMV_SILU=1 with lane-groups gate_up: moe_gemv_int4_groups with SiLU·mul fused (each warp

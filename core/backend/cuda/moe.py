@@ -196,6 +196,20 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # for a few slots per expert): 244 / 365 instructions per KB, 102 / 128 registers
     "groups_s8_p2": {"GROUPS_STAGES": 8, "GROUPS_PAIRS": 2},
     "groups_s8_p4": {"GROUPS_STAGES": 8, "GROUPS_PAIRS": 4},
+    # the chunk ring in shared memory filled by TMA bulk copies (GROUPS_BULK stages per warp, lane 0 issues a chunk's
+    # 2-4 cp.async.bulk onto the stage's mbarrier): the bytes in flight bounded by neither registers nor the L1's
+    # miss slots, no per-lane copy instructions. sm_90a ptxas: 64-78 registers, 31-41 KB per block, no spills.
+    # _k2: K split over the 2 warps sharing a row block (twice the warps; 8 blocks an SM). Opt-in until measured
+    "groups_bulk4": {"GROUPS_BULK": 4, "GROUPS_ROTATE": 0},
+    "groups_bulk8": {"GROUPS_BULK": 8, "GROUPS_ROTATE": 0},
+    "groups_bulk8_rot": {"GROUPS_BULK": 8},
+    "groups_bulk4_k2": {"GROUPS_BULK": 4, "GROUPS_KSPLIT": 2, "GROUPS_MIN_BLOCKS": 8},
+    "groups_bulk6_k2": {"GROUPS_BULK": 6, "GROUPS_KSPLIT": 2, "GROUPS_MIN_BLOCKS": 6},
+    # measuring only, wrong results (moe_int4.cu GROUPS_PROBE): the default's memory stream without the arithmetic,
+    # its arithmetic on cache-resident chunks; the bulk ring's memory stream
+    "probe_memory": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0, "GROUPS_PROBE": 1},
+    "probe_arith": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0, "GROUPS_PROBE": 2},
+    "probe_bulk_memory": {"GROUPS_BULK": 8, "GROUPS_ROTATE": 0, "GROUPS_PROBE": 1},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
