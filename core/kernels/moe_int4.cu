@@ -64,6 +64,17 @@
 #ifndef GROUPS_PROBE
 #define GROUPS_PROBE 0  // measuring only (wrong results): 1 loads every chunk but skips its arithmetic (the memory
 #endif                  // stream alone); 2 multiplies every chunk but loads chunk 0 each time (the arithmetic alone)
+#ifndef GROUPS_XSMEM
+#define GROUPS_XSMEM 0  // 1: the pass's activations staged by the block in dynamic shared memory as the mma's B
+#endif                  // registers (no byte permutes in the loop) beside each group's sum (the -136 term: one mma a
+                        // chunk instead of eight); register ring, one token pair a pass. See groups_stage_activations
+#define GROUPS_XSMEM_RECORD 80  // bytes a (chunk, group, token) record: 16 B registers (64), the sum's 2 (8), pad
+#if GROUPS_XSMEM && (GROUPS_PAIRS != 1 || GROUPS_STAGES || GROUPS_BULK || GROUPS_PROBE)
+#error "GROUPS_XSMEM: the register ring, one token pair a pass"
+#endif
+#ifndef GROUPS_DYNAMIC_SHARED  // the host emulation supplies a static buffer
+#define GROUPS_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
 #ifndef GROUPS_KSPLIT
 #define GROUPS_KSPLIT 1  // warps of a block sharing one row block, each over a slice of K (shared-memory ring only)
 #endif
@@ -333,17 +344,28 @@ __device__ __forceinline__ unsigned groups_high_halves(unsigned a, unsigned b) {
 __device__ __forceinline__ float groups_bf16_low(unsigned pair) { return __int_as_float((int)(pair << 16)); }
 __device__ __forceinline__ float groups_bf16_high(unsigned pair) { return __int_as_float((int)(pair & 0xFFFF0000u)); }
 
+// 16-byte words of a lane's activations a chunk: its group's 32 bf16 (XSMEM: as the 8 steps' B registers, then
+// the group's sum as two more)
+#define GROUPS_X_WORDS (GROUPS_XSMEM ? 5 : 4)
+
 // What the lanes off the B columns read as their activations: zeros (a load of its own address every
 // chunk, stride 0, so the activation loads need no predicate and no register copies).
 __device__ uint4 groups_zero_activations[4];
 
 // The activations this lane puts into B for chunk c: group t of the chunk of its token rows
 // (x_at[p] + c * x_stride[p]; zeros for a lane off the B columns, x_stride 0).
-__device__ __forceinline__ void groups_x_load(uint4 (&xv)[GROUPS_PAIRS][4], const unsigned char* const (&x_at)[GROUPS_PAIRS],
+__device__ __forceinline__ void groups_x_load(uint4 (&xv)[GROUPS_PAIRS][GROUPS_X_WORDS],
+                                              const unsigned char* const (&x_at)[GROUPS_PAIRS],
                                               const unsigned (&x_stride)[GROUPS_PAIRS], int c) {
 #pragma unroll
     for (int p = 0; p < GROUPS_PAIRS; ++p) {
         const uint4* at = reinterpret_cast<const uint4*>(x_at[p] + (unsigned long long)(unsigned)c * x_stride[p]);
+#if GROUPS_XSMEM  // shared memory: the record's 4 words of B registers, then the sum's two registers
+#pragma unroll
+        for (int w = 0; w < 4; ++w) xv[p][w] = at[w];
+        const unsigned* sum = reinterpret_cast<const unsigned*>(at + 4);
+        xv[p][4] = make_uint4(sum[0], sum[1], 0u, 0u);
+#else
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
 #ifdef MMA_HOST_STANDIN
@@ -352,12 +374,60 @@ __device__ __forceinline__ void groups_x_load(uint4 (&xv)[GROUPS_PAIRS][4], cons
             xv[p][w] = __ldg(at + w);
 #endif
         }
+#endif
     }
 }
 
+#if GROUPS_XSMEM
+// The pass's activations into `xs` by the whole block (between two __syncthreads of the caller): for each of its
+// `rows` token rows, chunk c and group q (32 weights of K), a record at ((token * chunks + c) * 4 + q) * 80 bytes:
+// the 16 B registers lane (q, q) of a warp (token 1: lane (q + 4, q)) feeds the 8 steps of the chunk, as
+// groups_chunk built them from the group's 16 bytes (step 2w + h: b0 = x[8w + 2h], x[8w + 2h + 4], b1 = x[8w + 2h + 1],
+// x[8w + 2h + 5]), then the group's sum Σx (fp32, k in order) as four bf16 (hi + lo twice: the fp32 sum to ~32 bits)
+// whose mma with the -136 operand gives every row's -136 Σx at once. Then 80 zero bytes (the lanes off the B columns).
+__device__ __forceinline__ void groups_stage_activations(unsigned char* xs, const bf16* __restrict__ a,
+                                                         const int* __restrict__ sorted_slots, int top_k, int pass,
+                                                         int rows, int chunks, int K) {
+    const int units = rows * chunks * 4;
+    for (int unit = threadIdx.x; unit < units + GROUPS_XSMEM_RECORD / 16; unit += blockDim.x) {
+        if (unit >= units) {  // the zero record
+            reinterpret_cast<uint4*>(xs + (long long)2 * chunks * 4 * GROUPS_XSMEM_RECORD)[unit - units] =
+                make_uint4(0u, 0u, 0u, 0u);
+            continue;
+        }
+        const int token = unit / (chunks * 4), cq = unit - token * chunks * 4;
+        const int slot = pass + token;
+        const uint4* row = reinterpret_cast<const uint4*>(
+            a + (long long)(sorted_slots ? sorted_slots[slot] / top_k : slot) * K + 32 * cq);
+        uint4 v[4], b[4];
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+#ifdef MMA_HOST_STANDIN
+            v[w] = row[w];
+#else
+            v[w] = __ldg(row + w);
+#endif
+            const unsigned x[4] = {v[w].x, v[w].y, v[w].z, v[w].w};
+            b[w] = make_uint4(groups_low_halves(x[0], x[2]), groups_high_halves(x[0], x[2]),
+                              groups_low_halves(x[1], x[3]), groups_high_halves(x[1], x[3]));
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sum += groups_bf16_low(x[i]) + groups_bf16_high(x[i]);
+        }
+        unsigned char* record = xs + ((long long)token * chunks * 4 + cq) * GROUPS_XSMEM_RECORD;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) reinterpret_cast<uint4*>(record)[w] = b[w];
+        const float hi1 = round_bf16(sum), r1 = sum - hi1, lo1 = round_bf16(r1), r2 = r1 - lo1;
+        const float hi2 = round_bf16(r2), lo2 = round_bf16(r2 - hi2);
+        reinterpret_cast<unsigned*>(record + 64)[0] = pack_bf16x2(hi1, lo1);
+        reinterpret_cast<unsigned*>(record + 64)[1] = pack_bf16x2(hi2, lo2);
+    }
+}
+#endif
+
 // acc[p] += chunk c times token pair p's activations xv[p] (this lane's B, zeros off its column).
 __device__ __forceinline__ void groups_chunk(float (&acc)[GROUPS_PAIRS][4], const GroupsChunk& c,
-                                             const uint4 (&xv)[GROUPS_PAIRS][4], const unsigned (&neg136)[4],
+                                             const uint4 (&xv)[GROUPS_PAIRS][GROUPS_X_WORDS], const unsigned (&neg136)[4],
                                              unsigned magic) {
 #if GROUPS_PROBE == 1  // the memory stream alone: every loaded word kept live, no arithmetic
     unsigned bits = c.lo.x ^ c.lo.y ^ c.lo.z ^ c.lo.w ^ c.hi.x ^ c.hi.y ^ c.hi.z ^ c.hi.w ^ c.s_lo ^ c.s_hi;
@@ -389,16 +459,25 @@ __device__ __forceinline__ void groups_chunk(float (&acc)[GROUPS_PAIRS][4], cons
             a[3] = groups_pair(hi[w], 2 * h + 1, magic);
 #pragma unroll
             for (int p = 0; p < GROUPS_PAIRS; ++p) {
+                constexpr int weights_chain = GROUPS_ACC_CHAINS > 1 ? 1 : 0;
+                const int h_chain = GROUPS_ACC_CHAINS > 2 ? 2 * h : 0;
+#if GROUPS_XSMEM  // the step's B registers as staged; the -136 term once a chunk (below)
+                const unsigned b0 = h ? xv[p][w].z : xv[p][w].x, b1 = h ? xv[p][w].w : xv[p][w].y;
+                mma_bf16_16816(sum[h_chain + weights_chain][p], a, b0, b1);
+#else
                 const unsigned x[4] = {xv[p][w].x, xv[p][w].y, xv[p][w].z, xv[p][w].w};
                 // x[8w + 2h], x[8w + 2h + 4] | x[8w + 2h + 1], x[8w + 2h + 5]
                 const unsigned b0 = groups_low_halves(x[h], x[h + 2]), b1 = groups_high_halves(x[h], x[h + 2]);
-                constexpr int weights_chain = GROUPS_ACC_CHAINS > 1 ? 1 : 0;
-                const int h_chain = GROUPS_ACC_CHAINS > 2 ? 2 * h : 0;
                 mma_bf16_16816(sum[h_chain][p], neg136, b0, b1);
                 mma_bf16_16816(sum[h_chain + weights_chain][p], a, b0, b1);
+#endif
             }
         }
     }
+#if GROUPS_XSMEM  // -136 Σx of each group (its sum's four bf16 in the group's column): every row at once
+#pragma unroll
+    for (int p = 0; p < GROUPS_PAIRS; ++p) mma_bf16_16816(sum[0][p], neg136, xv[p][4].x, xv[p][4].y);
+#endif
 #pragma unroll
     for (int chain = 1; chain < GROUPS_ACC_CHAINS; ++chain)
 #pragma unroll
@@ -458,7 +537,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
         const int out_columns = N, warp_columns = 16;
 #endif
         if (bx * (GROUPS_WARPS / GROUPS_KSPLIT) * warp_columns >= out_columns) return;  // block-uniform: past N
-#if GROUPS_KSPLIT > 1  // a warp past the columns still meets the block's barriers (its rows clamped, its result dropped)
+#if GROUPS_KSPLIT > 1 || GROUPS_XSMEM  // a warp past the columns still meets the block's barriers (its rows clamped,
         const bool past_columns = column_warp * warp_columns >= out_columns;
         const int n0 = past_columns ? out_columns - warp_columns : column_warp * warp_columns;
 #else
@@ -571,7 +650,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                                       lane);
                     load_chunk = next_chunk(load_chunk);
                 }
-            uint4 xv[GROUPS_PAIRS][4];
+            uint4 xv[GROUPS_PAIRS][GROUPS_X_WORDS];
             int x_chunk = start;  // the chunk whose activations load next
             for (int c = 0; c < count; ++c) {
                 groups_x_load(xv, x_at, x_stride, x_chunk);  // L1-resident: in before the chunk's bytes are
@@ -611,7 +690,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                     load_chunk = next_chunk(load_chunk);
                 }
                 groups_commit();
-                uint4 xv[GROUPS_PAIRS][4];  // L1-resident: in before the chunk's bytes are
+                uint4 xv[GROUPS_PAIRS][GROUPS_X_WORDS];  // L1-resident: in before the chunk's bytes are
                 groups_x_load(xv, x_at, x_stride, x_chunk);
                 x_chunk = next_chunk(x_chunk);
                 groups_wait<GROUPS_STAGES - 1>();  // chunk c landed (this lane's copies)
@@ -634,7 +713,20 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                 waited = true;
             }
             // the activations of the c-th chunk walked in xv[c % 2] (GROUPS_DEPTH even: a static index in the ring)
-            uint4 xv[2][GROUPS_PAIRS][4];
+#if GROUPS_XSMEM  // the pass's activations into shared memory (the ring's first chunks in flight meanwhile)
+            GROUPS_DYNAMIC_SHARED(groups_xs);
+            __syncthreads();  // every warp past its reads of the last pass's
+            groups_stage_activations(groups_xs, a, sorted_slots, top_k, pass, rows, chunks, K);
+            __syncthreads();
+            {  // this lane's records (chunk stride 4 records), the zero record off the B columns
+                const int r = token_of_lane;
+                const bool on = r >= 0 && r < rows;
+                x_at[0] = groups_xs + (on ? ((long long)r * chunks * 4 + t) * GROUPS_XSMEM_RECORD
+                                          : (long long)2 * chunks * 4 * GROUPS_XSMEM_RECORD);
+                x_stride[0] = on ? 4 * GROUPS_XSMEM_RECORD : 0;
+            }
+#endif
+            uint4 xv[2][GROUPS_PAIRS][GROUPS_X_WORDS];
             groups_x_load(xv[0], x_at, x_stride, start);
             int x_chunk = next_chunk(start);  // the chunk whose activations load next
             int c0 = 0;
@@ -685,6 +777,8 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             }
             __syncthreads();  // read before the next pass writes
             if (slice || past_columns) continue;
+#elif GROUPS_XSMEM
+            if (past_columns) continue;
 #endif
             // lane (g, t): rows g (acc 0, 1: groups 2t', 2t'+1) and g + 8 (acc 2, 3) of token 2p + (t >= 2);
             // the two lanes t', t' ^ 1 of a token hold its four group parities

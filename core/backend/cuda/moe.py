@@ -205,6 +205,12 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "groups_bulk8_rot": {"GROUPS_BULK": 8},
     "groups_bulk4_k2": {"GROUPS_BULK": 4, "GROUPS_KSPLIT": 2, "GROUPS_MIN_BLOCKS": 8},
     "groups_bulk6_k2": {"GROUPS_BULK": 6, "GROUPS_KSPLIT": 2, "GROUPS_MIN_BLOCKS": 6},
+    # the pass's activations staged by the block in shared memory as the mma's B registers beside each group's sum
+    # (GROUPS_XSMEM: no byte permutes in the loop, one -136 mma a chunk instead of eight: 9 mma per KB instead of 16);
+    # register ring. sm_90a ptxas: 118-127 registers (4 blocks per SM), no spills; dynamic shared memory
+    # (8 K / 128 + 1) x 80 bytes (Kimi-K2 gate_up 35.9 KB). Opt-in until measured
+    "groups_xs": {"GROUPS_XSMEM": 1, "GROUPS_ROTATE": 0},
+    "groups_xs_d2": {"GROUPS_XSMEM": 1, "GROUPS_ROTATE": 0, "GROUPS_DEPTH": 2},
     # measuring only, wrong results (moe_int4.cu GROUPS_PROBE): the default's memory stream without the arithmetic,
     # its arithmetic on cache-resident chunks; the bulk ring's memory stream
     "probe_memory": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0, "GROUPS_PROBE": 1},
@@ -247,6 +253,22 @@ DEFAULT_INT4_ROW_BLOCKS = "1"
 @functools.cache
 def _sm_count(device: int) -> int:
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+GROUPS_XSMEM_RECORD = 80  # moe_int4.cu: bytes of a staged (chunk, group, token) record
+SHARED_BYTES_MOST = 48 * 1024  # dynamic shared memory without the opt-in attribute
+
+
+def groups_shared_bytes(defines: dict[str, int], in_features: int) -> int:
+    """Dynamic shared memory of moe_gemv_int4_groups built with ``defines`` over K = ``in_features``: GROUPS_XSMEM's
+    staged activations (two token rows' records and a zero record), else none; past 48 KB a clear error."""
+    if not defines.get("GROUPS_XSMEM"):
+        return 0
+    nbytes = (8 * (in_features // 128) + 1) * GROUPS_XSMEM_RECORD
+    if nbytes > SHARED_BYTES_MOST:
+        raise ValueError(f"GROUPS_XSMEM stages {nbytes} bytes of activations for K = {in_features}: more than "
+                         f"{SHARED_BYTES_MOST}; use another lane-groups GEMV")
+    return nbytes
 
 
 def int4_row_blocks(column_blocks: int, tile_rows: int, min_blocks: int, value: str | None = None) -> int:
@@ -872,8 +894,8 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
             if row_blocks > 1:
                 defines = {**defines, "GROUPS_ROW_BLOCKS": row_blocks}
             launch_decode("moe_int4.cu", "moe_gemv_int4_groups", (-(-column_blocks // row_blocks), grid_rows or 1),
-                          (MMA_GEMV_WARPS * 32,), args, pdl_mode=2 if tables_ready and PDL_WEIGHTS_FIRST else 1,
-                          **defines)
+                          (MMA_GEMV_WARPS * 32,), args, groups_shared_bytes(defines, weight.in_features),
+                          pdl_mode=2 if tables_ready and PDL_WEIGHTS_FIRST else 1, **defines)
             return
         defines = {"MMA_GEMV_NTILES": 2}  # other layouts: moe_gemv_mma
         name = "mma"
@@ -1565,7 +1587,8 @@ def gate_up_silu_gemv(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGr
                              f"{gate_up.layout!r}")
         columns = MMA_GEMV_WARPS // defines.get("GROUPS_KSPLIT", 1) * 8
         launch_decode("moe_int4.cu", "moe_gemv_int4_groups", (-(-inter // columns), grouping.max_tiles),
-                      (MMA_GEMV_WARPS * 32,), args, **defines, GROUPS_FUSE_SILU=1)
+                      (MMA_GEMV_WARPS * 32,), args, groups_shared_bytes(defines, gate_up.in_features), **defines,
+                      GROUPS_FUSE_SILU=1)
     elif name in TILED_GEMVS:
         columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
         gate_up._kernel("moe_gemv_int4_tiled", **{**defines, "TILED_ROW_BLOCKS": 1, "TILED_FUSE_SILU": 1})(
