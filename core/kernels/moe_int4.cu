@@ -65,12 +65,14 @@
 #define GROUPS_PROBE 0  // measuring only (wrong results): 1 loads every chunk but skips its arithmetic (the memory
 #endif                  // stream alone); 2 multiplies every chunk but loads chunk 0 each time (the arithmetic alone)
 #ifndef GROUPS_XSMEM
-#define GROUPS_XSMEM 0  // 1: the pass's activations staged by the block in dynamic shared memory as the mma's B
-#endif                  // registers (no byte permutes in the loop) beside each group's sum (the -136 term: one mma a
-                        // chunk instead of eight); register ring, one token pair a pass. See groups_stage_activations
+#define GROUPS_XSMEM 0  // 1 / 2: the pass's activations staged by the block in dynamic shared memory as the mma's B
+#endif                  // registers beside each group's sum (the -136 term: one mma a chunk instead of eight), for
+                        // passes of that many token rows (1: a batch-1 step's tiles, half the shared memory; a tile
+                        // of more rows streams its weights once a row); one token pair. See groups_stage_activations
+#define GROUPS_PASS_ROWS (GROUPS_XSMEM == 1 ? 1 : 2 * GROUPS_PAIRS)  // token rows a pass over the weights
 #define GROUPS_XSMEM_RECORD 80  // bytes a (chunk, group, token) record: 16 B registers (64), the sum's 2 (8), pad
-#if GROUPS_XSMEM && (GROUPS_PAIRS != 1 || GROUPS_STAGES || GROUPS_BULK || GROUPS_PROBE)
-#error "GROUPS_XSMEM: the register ring, one token pair a pass"
+#if GROUPS_XSMEM && (GROUPS_PAIRS != 1 || GROUPS_STAGES || GROUPS_PROBE)
+#error "GROUPS_XSMEM: the register or the bulk ring, one token pair a pass"
 #endif
 #ifndef GROUPS_DYNAMIC_SHARED  // the host emulation supplies a static buffer
 #define GROUPS_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
@@ -391,7 +393,7 @@ __device__ __forceinline__ void groups_stage_activations(unsigned char* xs, cons
     const int units = rows * chunks * 4;
     for (int unit = threadIdx.x; unit < units + GROUPS_XSMEM_RECORD / 16; unit += blockDim.x) {
         if (unit >= units) {  // the zero record
-            reinterpret_cast<uint4*>(xs + (long long)2 * chunks * 4 * GROUPS_XSMEM_RECORD)[unit - units] =
+            reinterpret_cast<uint4*>(xs + (long long)GROUPS_PASS_ROWS * chunks * 4 * GROUPS_XSMEM_RECORD)[unit - units] =
                 make_uint4(0u, 0u, 0u, 0u);
             continue;
         }
@@ -422,6 +424,22 @@ __device__ __forceinline__ void groups_stage_activations(unsigned char* xs, cons
         reinterpret_cast<unsigned*>(record + 64)[0] = pack_bf16x2(hi1, lo1);
         reinterpret_cast<unsigned*>(record + 64)[1] = pack_bf16x2(hi2, lo2);
     }
+}
+
+// A pass's staging by the whole block (block-uniform: every warp of the block calls it), then this lane's records:
+// its token's (chunk stride 4 records) on a B column, else the zero record.
+__device__ __forceinline__ void groups_stage_pass(unsigned char* xs, const bf16* __restrict__ a,
+                                                  const int* __restrict__ sorted_slots, int top_k, int pass, int rows,
+                                                  int chunks, int K, int token_of_lane, int t,
+                                                  const unsigned char* (&x_at)[GROUPS_PAIRS],
+                                                  unsigned (&x_stride)[GROUPS_PAIRS]) {
+    __syncthreads();  // every warp past its reads of the last pass's records
+    groups_stage_activations(xs, a, sorted_slots, top_k, pass, rows, chunks, K);
+    __syncthreads();
+    const bool on = token_of_lane >= 0 && token_of_lane < rows;
+    x_at[0] = xs + (on ? ((long long)token_of_lane * chunks * 4 + t) * GROUPS_XSMEM_RECORD
+                       : (long long)GROUPS_PASS_ROWS * chunks * 4 * GROUPS_XSMEM_RECORD);
+    x_stride[0] = on ? 4 * GROUPS_XSMEM_RECORD : 0;
 }
 #endif
 
@@ -513,6 +531,9 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
     bool waited = false;
 #endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#if GROUPS_XSMEM
+    GROUPS_DYNAMIC_SHARED(groups_xs);  // the pass's staged activations (groups_stage_activations)
+#endif
 #if GROUPS_BULK  // the warp's ring and its barriers; `ring_uses`: chunks through the ring so far (every pass)
     __shared__ __align__(128) unsigned char groups_bulk_ring[GROUPS_WARPS][GROUPS_BULK][GROUPS_BULK_STAGE_BYTES];
     __shared__ __align__(8) unsigned long long groups_bulk_full[GROUPS_WARPS][GROUPS_BULK];
@@ -604,8 +625,8 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
 #endif
         // this lane's B column: token 2p of the pass (g == t) or token 2p + 1 (g == t + 4); else zeros
         const int token_of_lane = g == t ? 0 : g == t + 4 ? 1 : -1;
-        for (int pass = row_begin; pass < row_end; pass += 2 * GROUPS_PAIRS) {
-            const int rows = min(2 * GROUPS_PAIRS, row_end - pass);  // warp-uniform
+        for (int pass = row_begin; pass < row_end; pass += GROUPS_PASS_ROWS) {
+            const int rows = min(GROUPS_PASS_ROWS, row_end - pass);  // warp-uniform
             const unsigned char* x_at[GROUPS_PAIRS];
             unsigned x_stride[GROUPS_PAIRS];
     #pragma unroll
@@ -650,6 +671,9 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                                       lane);
                     load_chunk = next_chunk(load_chunk);
                 }
+#if GROUPS_XSMEM  // the pass's activations into shared memory (the ring's first chunks in flight meanwhile)
+            groups_stage_pass(groups_xs, a, sorted_slots, top_k, pass, rows, chunks, K, token_of_lane, t, x_at, x_stride);
+#endif
             uint4 xv[GROUPS_PAIRS][GROUPS_X_WORDS];
             int x_chunk = start;  // the chunk whose activations load next
             for (int c = 0; c < count; ++c) {
@@ -714,17 +738,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             }
             // the activations of the c-th chunk walked in xv[c % 2] (GROUPS_DEPTH even: a static index in the ring)
 #if GROUPS_XSMEM  // the pass's activations into shared memory (the ring's first chunks in flight meanwhile)
-            GROUPS_DYNAMIC_SHARED(groups_xs);
-            __syncthreads();  // every warp past its reads of the last pass's
-            groups_stage_activations(groups_xs, a, sorted_slots, top_k, pass, rows, chunks, K);
-            __syncthreads();
-            {  // this lane's records (chunk stride 4 records), the zero record off the B columns
-                const int r = token_of_lane;
-                const bool on = r >= 0 && r < rows;
-                x_at[0] = groups_xs + (on ? ((long long)r * chunks * 4 + t) * GROUPS_XSMEM_RECORD
-                                          : (long long)2 * chunks * 4 * GROUPS_XSMEM_RECORD);
-                x_stride[0] = on ? 4 * GROUPS_XSMEM_RECORD : 0;
-            }
+            groups_stage_pass(groups_xs, a, sorted_slots, top_k, pass, rows, chunks, K, token_of_lane, t, x_at, x_stride);
 #endif
             uint4 xv[2][GROUPS_PAIRS][GROUPS_X_WORDS];
             groups_x_load(xv[0], x_at, x_stride, start);

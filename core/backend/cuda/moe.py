@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from openinfer.backend.cuda.linear import launch_decode
+from openinfer.backend.cuda.linear import decode_pdl, launch_decode
 from openinfer.backend.cuda.loader import kernel
 from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, rotated_units, sm90_experts, sm90_pdl
 from openinfer.backend.cuda.pdl_launch import launch
@@ -206,11 +206,18 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "groups_bulk4_k2": {"GROUPS_BULK": 4, "GROUPS_KSPLIT": 2, "GROUPS_MIN_BLOCKS": 8},
     "groups_bulk6_k2": {"GROUPS_BULK": 6, "GROUPS_KSPLIT": 2, "GROUPS_MIN_BLOCKS": 6},
     # the pass's activations staged by the block in shared memory as the mma's B registers beside each group's sum
-    # (GROUPS_XSMEM: no byte permutes in the loop, one -136 mma a chunk instead of eight: 9 mma per KB instead of 16);
-    # register ring. sm_90a ptxas: 118-127 registers (4 blocks per SM), no spills; dynamic shared memory
-    # (8 K / 128 + 1) x 80 bytes (Kimi-K2 gate_up 35.9 KB). Opt-in until measured
-    "groups_xs": {"GROUPS_XSMEM": 1, "GROUPS_ROTATE": 0},
-    "groups_xs_d2": {"GROUPS_XSMEM": 1, "GROUPS_ROTATE": 0, "GROUPS_DEPTH": 2},
+    # (GROUPS_XSMEM 2 / 1: two / one token rows a pass; no byte permutes in the loop, one -136 mma a chunk instead of
+    # eight: 9 mma per KB instead of 16); register ring. sm_90a ptxas: 118-127 registers (4 blocks per SM), no spills;
+    # dynamic shared memory (4 rows K / 128 + 1) x 80 bytes (Kimi-K2 gate_up 35.9 / 18.0 KB). Opt-in until measured
+    "groups_xs": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0},
+    "groups_xs_d2": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_DEPTH": 2},
+    # ... one token row a pass (a batch-1 step's tiles: half the shared memory) with the bulk ring (62-76 registers:
+    # more blocks an SM), and K split over 2 warps (twice the warps at one token)
+    "groups_xs1": {"GROUPS_XSMEM": 1, "GROUPS_ROTATE": 0},
+    "groups_xs1_bulk4": {"GROUPS_XSMEM": 1, "GROUPS_BULK": 4, "GROUPS_ROTATE": 0},
+    "groups_xs1_bulk6": {"GROUPS_XSMEM": 1, "GROUPS_BULK": 6, "GROUPS_ROTATE": 0},
+    "groups_xs1_bulk4_k2": {"GROUPS_XSMEM": 1, "GROUPS_BULK": 4, "GROUPS_KSPLIT": 2, "GROUPS_ROTATE": 0,
+                            "GROUPS_MIN_BLOCKS": 6},
     # measuring only, wrong results (moe_int4.cu GROUPS_PROBE): the default's memory stream without the arithmetic,
     # its arithmetic on cache-resident chunks; the bulk ring's memory stream
     "probe_memory": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0, "GROUPS_PROBE": 1},
@@ -255,20 +262,37 @@ def _sm_count(device: int) -> int:
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
 
 
-GROUPS_XSMEM_RECORD = 80  # moe_int4.cu: bytes of a staged (chunk, group, token) record
-SHARED_BYTES_MOST = 48 * 1024  # dynamic shared memory without the opt-in attribute
+GROUPS_XSMEM_RECORD, GROUPS_BULK_STAGE = 80, 1280  # moe_int4.cu: a staged (chunk, group, token) record; a bulk stage
+SHARED_BYTES_DEFAULT, SHARED_BYTES_MOST = 48 * 1024, 227 * 1024  # a block's shared memory without / with the opt-in
 
 
-def groups_shared_bytes(defines: dict[str, int], in_features: int) -> int:
-    """Dynamic shared memory of moe_gemv_int4_groups built with ``defines`` over K = ``in_features``: GROUPS_XSMEM's
-    staged activations (two token rows' records and a zero record), else none; past 48 KB a clear error."""
-    if not defines.get("GROUPS_XSMEM"):
-        return 0
-    nbytes = (8 * (in_features // 128) + 1) * GROUPS_XSMEM_RECORD
-    if nbytes > SHARED_BYTES_MOST:
-        raise ValueError(f"GROUPS_XSMEM stages {nbytes} bytes of activations for K = {in_features}: more than "
-                         f"{SHARED_BYTES_MOST}; use another lane-groups GEMV")
-    return nbytes
+def groups_shared_bytes(defines: dict[str, int], in_features: int) -> tuple[int, int]:
+    """(static, dynamic) shared memory of moe_gemv_int4_groups built with ``defines`` over K = ``in_features``: the
+    bulk ring's stages and barriers, the split's partial sums; GROUPS_XSMEM's staged activations (two token rows'
+    records, or one row's, and a zero record). More than an SM holds: a clear error."""
+    warps, stages, ksplit = MMA_GEMV_WARPS, defines.get("GROUPS_BULK", 0), defines.get("GROUPS_KSPLIT", 1)
+    static = (warps * stages * (GROUPS_BULK_STAGE + 8) + (warps * defines.get("GROUPS_PAIRS", 1) * 4 * 32 * 4
+                                                            if ksplit > 1 else 0))
+    rows = defines.get("GROUPS_XSMEM", 0)  # token rows a staged pass (0: none staged)
+    dynamic = (4 * rows * (in_features // 128) + 1) * GROUPS_XSMEM_RECORD if rows else 0
+    if static + dynamic > SHARED_BYTES_MOST:
+        raise ValueError(f"moe_gemv_int4_groups {defines} over K = {in_features} needs {static + dynamic} bytes of "
+                         f"shared memory, more than {SHARED_BYTES_MOST}; use another lane-groups GEMV")
+    return static, dynamic
+
+
+def _launch_groups(grid: tuple[int, int], args: tuple, defines: dict[str, int], in_features: int,
+                   pdl_mode: int = 1) -> None:
+    """moe_int4.cu's moe_gemv_int4_groups over ``grid`` (launch_decode), its dynamic shared memory sized (and allowed
+    past 48 KB where the static and dynamic together need it)."""
+    static, dynamic = groups_shared_bytes(defines, in_features)
+    if static + dynamic > SHARED_BYTES_DEFAULT:
+        built = kernel("moe_int4.cu", "moe_gemv_int4_groups", **defines, **({"DECODE_PDL": pdl_mode} if decode_pdl()
+                                                                              else {}))
+        if built.max_dynamic_shared_size_bytes < dynamic:
+            built.max_dynamic_shared_size_bytes = dynamic
+    launch_decode("moe_int4.cu", "moe_gemv_int4_groups", grid, (MMA_GEMV_WARPS * 32,), args, dynamic,
+                  pdl_mode=pdl_mode, **defines)
 
 
 def int4_row_blocks(column_blocks: int, tile_rows: int, min_blocks: int, value: str | None = None) -> int:
@@ -893,9 +917,8 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
             row_blocks = int4_row_blocks(column_blocks, grid_rows or 1, defines.get("GROUPS_MIN_BLOCKS", 4))
             if row_blocks > 1:
                 defines = {**defines, "GROUPS_ROW_BLOCKS": row_blocks}
-            launch_decode("moe_int4.cu", "moe_gemv_int4_groups", (-(-column_blocks // row_blocks), grid_rows or 1),
-                          (MMA_GEMV_WARPS * 32,), args, groups_shared_bytes(defines, weight.in_features),
-                          pdl_mode=2 if tables_ready and PDL_WEIGHTS_FIRST else 1, **defines)
+            _launch_groups((-(-column_blocks // row_blocks), grid_rows or 1), args, defines, weight.in_features,
+                           pdl_mode=2 if tables_ready and PDL_WEIGHTS_FIRST else 1)
             return
         defines = {"MMA_GEMV_NTILES": 2}  # other layouts: moe_gemv_mma
         name = "mma"
@@ -1586,9 +1609,8 @@ def gate_up_silu_gemv(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGr
             raise ValueError(f"the decode GEMV {name!r} reads lane-groups INT4 weights; this gate_up's layout is "
                              f"{gate_up.layout!r}")
         columns = MMA_GEMV_WARPS // defines.get("GROUPS_KSPLIT", 1) * 8
-        launch_decode("moe_int4.cu", "moe_gemv_int4_groups", (-(-inter // columns), grouping.max_tiles),
-                      (MMA_GEMV_WARPS * 32,), args, groups_shared_bytes(defines, gate_up.in_features), **defines,
-                      GROUPS_FUSE_SILU=1)
+        _launch_groups((-(-inter // columns), grouping.max_tiles), args, {**defines, "GROUPS_FUSE_SILU": 1},
+                       gate_up.in_features)
     elif name in TILED_GEMVS:
         columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
         gate_up._kernel("moe_gemv_int4_tiled", **{**defines, "TILED_ROW_BLOCKS": 1, "TILED_FUSE_SILU": 1})(
