@@ -247,6 +247,9 @@ TILED_GEMV = "tiled1_nc_rot"
 # mma in two accumulator chains) 2,629.5 -> 2,582.7 us (gate_up 1,531.5 -> 1,512.0, down 834.4 -> 815.3); at one token
 # groups_norot_acc2 was not faster (gate_up 43.5 -> 44.7 us), so the first entry stays.
 LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_norot"), (3, "groups_acc2"))
+# What lane-groups INT4 weights run in a grouped step of one token (every expert tile one row: a batch-1 decode step),
+# ahead of LANE_GROUPS_CHOICE; None: the table's.
+LANE_GROUPS_ONE_TOKEN: str | None = None
 # OPENINFER_INT4_ROW_BLOCKS (moe_int4.cu GROUPS_ROW_BLOCKS): each block of moe_gemv_int4_groups takes R column
 # blocks in turn (blockIdx.x, + gridDim.x, ...), the grid R times narrower. "auto": for decode-sized grids (at most
 # ROW_BLOCKS_MAX_TILES tile rows) that exceed one wave of resident blocks by a quarter or more, R = the waves
@@ -881,15 +884,18 @@ def gemv_for(rows_per_weight: float, grouped: bool, weight_format: str, gemv_ker
 
 
 def layout_gemv(weight: ExpertLinear, name: str | None, gemv_kernel: str | None = None,
-                rows_per_weight: float = 0.0) -> str | None:
+                rows_per_weight: float = 0.0, one_token: bool = False) -> str | None:
     """The decode GEMV for ``weight`` where the tables chose ``name``: TILED_GEMV for tiled INT4
-    weights, LANE_GROUPS_CHOICE's by ``rows_per_weight`` for lane-groups ones (past it ``name``), unless
-    a kernel is forced (``forced_gemv_kernel``); else ``name``."""
+    weights, LANE_GROUPS_ONE_TOKEN in a grouped step of ``one_token``, else LANE_GROUPS_CHOICE's by
+    ``rows_per_weight`` for lane-groups ones (past it ``name``), unless a kernel is forced
+    (``forced_gemv_kernel``); else ``name``."""
     if name is None or forced_gemv_kernel(gemv_kernel) is not None:
         return name
     if weight.layout == "tiled":
         return TILED_GEMV
     if weight.layout == "lane_groups":
+        if one_token and LANE_GROUPS_ONE_TOKEN is not None:
+            return LANE_GROUPS_ONE_TOKEN
         return next((kernel for most, kernel in LANE_GROUPS_CHOICE if rows_per_weight <= most), name)
     return name
 
@@ -1016,7 +1022,7 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     per_expert = num_slots / weight.num_experts
     name = choose_gemv(per_expert, True, weight.format, gemv_kernel) if gemv is None else \
         gemv_for(per_expert, True, weight.format, gemv_kernel) if gemv else None
-    name = layout_gemv(weight, name, gemv_kernel, per_expert)
+    name = layout_gemv(weight, name, gemv_kernel, per_expert, one_token=num_slots == grouping.top_k)
     use_pipelined = (gemv is not True and pipelined_mode(pipelined) != "off" and pipelined_ready(a, weight)
                      and (name is None or (gemv is None and gemv_kernel is None and forced_gemv_kernel() is None
                                            and per_expert > PIPELINED_ABOVE_ROWS_PER_EXPERT)))
@@ -1577,7 +1583,8 @@ def gemv_silu_kernel(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGro
     if not _switch(GEMV_SILU_ENV, default=True) or gate_up.out_features % 2 or not gate_up.gemv_ready(x):
         return None
     per_expert = int(grouping.sorted_slots.size) / gate_up.num_experts
-    name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None, per_expert)
+    name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None, per_expert,
+                       one_token=int(grouping.sorted_slots.size) == grouping.top_k)
     defines = GEMV_KERNELS.get(name, {}) if name is not None else {}
     if name in GROUPS_GEMVS and gate_up.layout == "lane_groups":  # =1 always; unset: up to LANE_GROUPS_SILU_MAX_SLOTS
         wanted = explicit or per_expert <= LANE_GROUPS_SILU_MAX_SLOTS
