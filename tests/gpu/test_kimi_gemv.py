@@ -152,6 +152,31 @@ def test_int4_layout_switch(cuda_moe, rng, monkeypatch, layout):
         moe.tiled_int4(stored, "columns")
 
 
+def test_lane_groups_one_token_choice_and_shared_memory(cuda_moe, rng, monkeypatch):
+    """LANE_GROUPS_ONE_TOKEN runs a one-token grouped step (every tile one row) ahead of LANE_GROUPS_CHOICE, and only
+    there; a forced kernel wins; groups_shared_bytes sizes GROUPS_XSMEM's staged rows and the bulk ring, and says
+    clearly when a block cannot hold them."""
+    moe = cuda_moe
+    weight = moe.tiled_int4(_int4_experts(rng, 4, 64, 256)[0], "lane_groups")
+    monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
+    table = moe.layout_gemv(weight, "mma_staged", None, 0.02)
+    assert moe.layout_gemv(weight, "mma_staged", None, 0.02, one_token=True) == table  # unset: the table's
+    monkeypatch.setattr(moe, "LANE_GROUPS_ONE_TOKEN", "groups_xs1_bulk4")
+    assert moe.layout_gemv(weight, "mma_staged", None, 0.02, one_token=True) == "groups_xs1_bulk4"
+    assert moe.layout_gemv(weight, "mma_staged", None, 0.04) == table
+    assert moe.layout_gemv(weight, "mma_staged", "groups_bulk8", 0.02, one_token=True) == "groups_bulk8"
+    x = cupy.asarray(float32_to_bf16(rng.standard_normal((1, 256)).astype(np.float32)))
+    one = moe.group_by_expert(cupy.asarray(np.array([[0, 2]], np.int32)), cupy.ones((1, 2), cupy.float32), 4)
+    two = moe.group_by_expert(cupy.asarray(np.array([[0, 2], [0, 1]], np.int32)), cupy.ones((2, 2), cupy.float32), 4)
+    monkeypatch.setenv(moe.GEMV_SILU_ENV, "1")
+    assert moe.gemv_silu_kernel(x, weight, one) == "groups_xs1_bulk4"
+    assert moe.gemv_silu_kernel(cupy.concatenate([x, x]), weight, two) != "groups_xs1_bulk4"
+    assert moe.groups_shared_bytes({"GROUPS_XSMEM": 1}, 7168) == (0, (4 * 56 + 1) * 80)
+    assert moe.groups_shared_bytes({"GROUPS_XSMEM": 2, "GROUPS_BULK": 4}, 2048) == (4 * 4 * 1288, (8 * 16 + 1) * 80)
+    with pytest.raises(ValueError, match="shared memory"):
+        moe.groups_shared_bytes({"GROUPS_XSMEM": 2, "GROUPS_BULK": 8}, 128 * 400)
+
+
 @pytest.mark.parametrize("after_route", ["0", "1"])
 @pytest.mark.parametrize("tokens", [1, 3, 64])
 def test_shared_overlap_equals_inline(cuda_backend, cuda_moe, rng, monkeypatch, tokens, after_route):
