@@ -30,22 +30,23 @@ __device__ __forceinline__ void words_to_floats8(const uint4& u, float* f) {
     }
 }
 
-// One pass of UNROLL 16-byte steps from k (those below K): every weight word loaded first (raw: few registers),
-// then (WAIT: DECODE_PDL's decode_pdl_wait and launch_dependents) each step's x and FMAs, in k order.
-template <int ROWS, int COLS, int UNROLL, bool WAIT>
-__device__ __forceinline__ void gemv_raw_pass(const bf16* __restrict__ x, const bf16* const (&wrow)[COLS],
-                                              float (&acc)[ROWS][COLS], int M, int K, int k) {
+// A pass of UNROLL 16-byte steps from k (those below K) of each weight row: the raw words, loaded (few registers).
+template <int COLS, int UNROLL>
+__device__ __forceinline__ void gemv_raw_issue(const bf16* const (&wrow)[COLS], uint4 (&raw)[UNROLL][COLS], int K,
+                                               int k) {
     constexpr int STEP = 32 * 8;
-    uint4 raw[UNROLL][COLS];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
         if (k + u * STEP < K)
 #pragma unroll
             for (int c = 0; c < COLS; ++c) raw[u][c] = *reinterpret_cast<const uint4*>(wrow[c] + k + u * STEP);
-    if constexpr (WAIT) {
-        decode_pdl_wait();
-        decode_pdl_launch_dependents();  // after the wait: a dependent may read what the kernel before wrote
-    }
+}
+
+// The pass's FMAs: each step's x (those below K) times its words, in k order.
+template <int ROWS, int COLS, int UNROLL>
+__device__ __forceinline__ void gemv_raw_consume(const bf16* __restrict__ x, const uint4 (&raw)[UNROLL][COLS],
+                                                 float (&acc)[ROWS][COLS], int M, int K, int k) {
+    constexpr int STEP = 32 * 8;
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         if (k + u * STEP >= K) break;
@@ -64,6 +65,19 @@ __device__ __forceinline__ void gemv_raw_pass(const bf16* __restrict__ x, const 
             }
         }
     }
+}
+
+// One pass: every weight word loaded first, then (WAIT: DECODE_PDL's decode_pdl_wait and launch_dependents) the FMAs.
+template <int ROWS, int COLS, int UNROLL, bool WAIT>
+__device__ __forceinline__ void gemv_raw_pass(const bf16* __restrict__ x, const bf16* const (&wrow)[COLS],
+                                              float (&acc)[ROWS][COLS], int M, int K, int k) {
+    uint4 raw[UNROLL][COLS];
+    gemv_raw_issue<COLS, UNROLL>(wrow, raw, K, k);
+    if constexpr (WAIT) {
+        decode_pdl_wait();
+        decode_pdl_launch_dependents();  // after the wait: a dependent may read what the kernel before wrote
+    }
+    gemv_raw_consume<ROWS, COLS, UNROLL>(x, raw, acc, M, K, k);
 }
 
 // Tile `tile` of the output: columns [tile * WARPS_PER_BLOCK * COLS, +WARPS_PER_BLOCK * COLS).
@@ -162,6 +176,35 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
 
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m1(GEMV_ARGS) {
     gemv_tile<1, 1, GEMV_M1_UNROLL, DECODE_PDL != 0>(x, w, bias, y, M, N, K, blockIdx.x);
+}
+
+// gemv_m1_pipelined: gemv_m1 with the next pass's weight words in flight while this pass multiplies (gemv_m1 issues
+// a pass's loads, waits, multiplies, and only then issues the next: a warp of a long row idles a round trip per pass),
+// so two passes of GEMV_M1_UNROLL raw words a lane at a time. For long rows in small grids: Kimi-K2's qkv_a, 2112 x
+// 7168, 264 blocks, 3.5 passes a warp. Each lane's k in order: gemv_m1's bits. Opt-in (linear.PIPELINED_GEMV_ENV).
+extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m1_pipelined(GEMV_ARGS) {
+    constexpr int PASS = GEMV_M1_UNROLL * 32 * 8;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n = blockIdx.x * WARPS_PER_BLOCK + warp;
+    if (n >= N) return;
+    const bf16* const wrow[1] = {w + (size_t)n * K};
+    float acc[1][1] = {{0.f}};
+    uint4 even[GEMV_M1_UNROLL][1], odd[GEMV_M1_UNROLL][1];  // passes 0, 2, ... and 1, 3, ...
+    int k = lane * 8;
+    gemv_raw_issue<1, GEMV_M1_UNROLL>(wrow, even, K, k);
+    decode_pdl_wait();  // DECODE_PDL: the first pass's weights in flight before the wait (decode_pdl.cuh)
+    decode_pdl_launch_dependents();
+    for (;; k += 2 * PASS) {
+        if (k + PASS < K) gemv_raw_issue<1, GEMV_M1_UNROLL>(wrow, odd, K, k + PASS);
+        gemv_raw_consume<1, 1, GEMV_M1_UNROLL>(x, even, acc, 1, K, k);
+        if (k + PASS >= K) break;
+        if (k + 2 * PASS < K) gemv_raw_issue<1, GEMV_M1_UNROLL>(wrow, even, K, k + 2 * PASS);
+        gemv_raw_consume<1, 1, GEMV_M1_UNROLL>(x, odd, acc, 1, K, k + PASS);
+        if (k + 2 * PASS >= K) break;
+    }
+    (void)M;
+    const float sum = warp_sum(acc[0][0]);
+    if (lane == 0) y[n] = __float2bfloat16_rn(sum + (bias != nullptr ? __bfloat162float(bias[n]) : 0.f));
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m2(GEMV_ARGS) {

@@ -439,6 +439,33 @@ def test_gemv_m1_rms_scaled_matches_numpy(cuda_backend, rng, monkeypatch, n, k):
         cuda_linear.rms_scaled_wanted(x, layer)
 
 
+@pytest.mark.parametrize("n,k", [(2112, 7168), (37, 8192), (100, 2056), (9, 6152)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_m1_pipelined_equals_gemv_m1(cuda_backend, rng, monkeypatch, n, k, bias):
+    """gemv.cu gemv_m1_pipelined (OPENINFER_GEMV_PIPELINED=1: the next pass's loads in flight while a pass multiplies)
+    through the CUDA backend's linear: gemv_m1's bits (Kimi-K2's qkv_a, o_proj-long rows, one step past a pass, three
+    whole passes and a partial one), the NumPy product within bf16 rounding; rows within a pass keep gemv_m1; a bad
+    value errors."""
+    from openinfer.backend.cuda import linear as cuda_linear
+
+    w_host = bf16_random(rng, n, k, scale=0.02)
+    b_host = bf16_random(rng, n, scale=0.5) if bias else None
+    layer = cuda_backend.linear_weight(w_host, b_host)
+    x_host = bf16_random(rng, 1, k)
+    x = cuda_backend.upload(x_host)
+    monkeypatch.setenv(cuda_linear.PIPELINED_GEMV_ENV, "0")
+    plain = cuda_backend.to_host(cuda_backend.linear(x, layer))
+    monkeypatch.setenv(cuda_linear.PIPELINED_GEMV_ENV, "1")
+    assert cuda_linear.pipelined_gemv_wanted(k) and not cuda_linear.pipelined_gemv_wanted(2048)
+    pipelined = cuda_backend.to_host(cuda_backend.linear(x, layer))
+    assert np.array_equal(pipelined, plain)
+    expected = x_host @ w_host.T + (0 if b_host is None else b_host)
+    assert relative_error(pipelined, expected) < BF16_TOL
+    monkeypatch.setenv(cuda_linear.PIPELINED_GEMV_ENV, "sometimes")
+    with pytest.raises(ValueError, match="must be 1 or 0"):
+        cuda_linear.pipelined_gemv_wanted(k)
+
+
 def test_weight_prefetch_is_a_hint(cuda_backend, rng, monkeypatch):
     """linear.start_weight_prefetch (OPENINFER_L2_WEIGHT_PREFETCH_MB): a weight's last bytes pulled into L2 from a
     side stream changes no result, eagerly or inside a captured graph (the fork joined); 0 / unset: nothing
