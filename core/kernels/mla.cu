@@ -32,26 +32,15 @@
 #define MLA_THREADS (HEADS_PER_BLOCK * TOKENS_PER_TILE)
 #define DIMS_PER_THREAD (KV_LORA / TOKENS_PER_TILE)
 
-// The latent row of one new token at its slot: RMS-normed c_kv (kv_a_layernorm) and rotated k_pe (block-wide:
-// every thread of the block calls it; slot < 0: a padding row of a captured batch, nothing stored).
+#include "mla_latent.cuh"  // mla_latent_row, mla_rope_pair
+
+// The latent row of one new token at its slot (block-wide; slot < 0: a padding row of a captured batch, nothing
+// stored).
 __device__ __forceinline__ void mla_store_latent_row(const bf16* __restrict__ row, const bf16* __restrict__ norm_weight,
                                                      float eps, int slot, const float* cos_row, const float* sin_row,
                                                      bf16* __restrict__ cache, float* scratch) {
-    const int half = ROPE_DIM / 2;
-    float sum = 0.f;
-    for (int i = threadIdx.x; i < KV_LORA; i += blockDim.x) {
-        const float v = __bfloat162float(row[i]);
-        sum += v * v;
-    }
-    const float inv_rms = rsqrtf(block_sum(sum, scratch) / KV_LORA + eps);
-    bf16* out = cache + (long long)(slot < 0 ? 0 : slot) * LATENT;
-    for (int i = threadIdx.x; i < KV_LORA && slot >= 0; i += blockDim.x)
-        out[i] = __float2bfloat16_rn(round_bf16(__bfloat162float(row[i]) * inv_rms) * __bfloat162float(norm_weight[i]));
-    for (int i = threadIdx.x; i < half && slot >= 0; i += blockDim.x) {
-        const float x1 = __bfloat162float(row[KV_LORA + i]), x2 = __bfloat162float(row[KV_LORA + half + i]);
-        out[KV_LORA + i] = __float2bfloat16_rn(x1 * cos_row[i] - x2 * sin_row[i]);
-        out[KV_LORA + half + i] = __float2bfloat16_rn(x2 * cos_row[i] + x1 * sin_row[i]);
-    }
+    mla_latent_row(row, norm_weight, eps, cos_row, sin_row, cache + (long long)(slot < 0 ? 0 : slot) * LATENT,
+                   slot >= 0, scratch);
 }
 
 // One rotate-half pair d of head h's q_pe of row t, in place.
@@ -59,9 +48,9 @@ __device__ __forceinline__ void mla_rotate_q_pe(bf16* __restrict__ q, int t, int
                                                 int q_pe_offset, const float* cos_row, const float* sin_row) {
     const int half = ROPE_DIM / 2;
     bf16* pe = q + ((long long)t * num_heads + h) * q_stride + q_pe_offset;
-    const float x1 = __bfloat162float(pe[d]), x2 = __bfloat162float(pe[half + d]);
-    pe[d] = __float2bfloat16_rn(x1 * cos_row[d] - x2 * sin_row[d]);
-    pe[half + d] = __float2bfloat16_rn(x2 * cos_row[d] + x1 * sin_row[d]);
+    const float2 r = mla_rope_pair(__bfloat162float(pe[d]), __bfloat162float(pe[half + d]), cos_row[d], sin_row[d]);
+    pe[d] = __float2bfloat16_rn(r.x);
+    pe[half + d] = __float2bfloat16_rn(r.y);
 }
 
 // Blocks (new token, part of its heads' q_pe): part 0 also writes the latent row; q [T, num_heads,
@@ -114,9 +103,9 @@ extern "C" __global__ void mla_write_latent_q_pe(const bf16* __restrict__ kv_a /
     for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < num_heads * half; i += gridDim.y * blockDim.x) {
         const int h = i / half, d = i % half;  // mla_rotate_q_pe's sums
         const bf16* pe = src + h * q_stride;
-        const float x1 = __bfloat162float(pe[d]), x2 = __bfloat162float(pe[half + d]);
-        dst[h * ROPE_DIM + d] = __float2bfloat16_rn(x1 * cos_row[d] - x2 * sin_row[d]);
-        dst[h * ROPE_DIM + half + d] = __float2bfloat16_rn(x2 * cos_row[d] + x1 * sin_row[d]);
+        const float2 r = mla_rope_pair(__bfloat162float(pe[d]), __bfloat162float(pe[half + d]), cos_row[d], sin_row[d]);
+        dst[h * ROPE_DIM + d] = __float2bfloat16_rn(r.x);
+        dst[h * ROPE_DIM + half + d] = __float2bfloat16_rn(r.y);
     }
 }
 
@@ -159,9 +148,9 @@ extern "C" __global__ void mla_write_latent_gather_q(const bf16* __restrict__ kv
         const int h = i / half, d = i % half;
         const bf16* pe = src + h * q_stride + q_pe_offset;
         bf16* pe_out = dst + h * q_stride + q_pe_offset;
-        const float x1 = __bfloat162float(pe[d]), x2 = __bfloat162float(pe[half + d]);
-        pe_out[d] = __float2bfloat16_rn(x1 * cos_row[d] - x2 * sin_row[d]);
-        pe_out[half + d] = __float2bfloat16_rn(x2 * cos_row[d] + x1 * sin_row[d]);
+        const float2 r = mla_rope_pair(__bfloat162float(pe[d]), __bfloat162float(pe[half + d]), cos_row[d], sin_row[d]);
+        pe_out[d] = __float2bfloat16_rn(r.x);
+        pe_out[half + d] = __float2bfloat16_rn(r.y);
     }
 }
 

@@ -73,6 +73,7 @@
                       // (16: a non-portable cluster size, allowed by the launcher)
 #endif
 #define LATENT (KV_LORA + ROPE_DIM)
+#include "mla_latent.cuh"  // mla_latent_row, mla_rope_pair (TMA_FUSED_WRITE)
 #define TMA_HEADS 16
 #define TMA_WARPS 4
 #define TMA_THREADS (32 * TMA_WARPS)
@@ -170,6 +171,16 @@ __device__ __forceinline__ unsigned key_pair_mask(int key, int end) {
 #ifndef TMA_FUSED_COMBINE
 #define TMA_FUSED_COMBINE 0  // 1: the last split of a (token, head block) to finish combines the partials (below)
 #endif
+// 1: mla_write_latent folded in, for steps of one new token per sequence (token_list null, row t = step token t):
+// the split that holds the token's own position computes its latent row (RMS-normed c_kv, rotated k_pe: mla_latent_row,
+// the write kernel's sums) from kv_a, head block 0 stores it at slot_mapping[t], and the tile that holds the position
+// takes the row in shared memory over whatever the TMA copy brought (the cache slot may not be written yet: no other
+// CTA of the launch waits on it). Every CTA reads q's rope dims unrotated, q_token_stride elements per row (a row view
+// of the projection), and rotates them in registers (mla_rope_pair, the write kernel's rounding). The same bits as the
+// latent write + attention.
+#ifndef TMA_FUSED_WRITE
+#define TMA_FUSED_WRITE 0
+#endif
 
 // TMA_FUSED_COMBINE: whether this CTA is the last of its (token, head block)'s num_splits CTAs to finish. Every
 // thread's partial writes are made visible device-wide first (fence, then the block barrier), thread 0 counts the
@@ -253,7 +264,9 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
                   const int* __restrict__ positions, int num_heads, float scale, bf16* __restrict__ out,
                   int num_splits, float* __restrict__ partial_o, float* __restrict__ partial_ml,
                   const int* __restrict__ token_list, int balance_slots, int* __restrict__ split_counts,
-                  const __grid_constant__ TensorMap cache_map) {
+                  const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __restrict__ norm_weight, float eps,
+                  const int* __restrict__ slot_mapping, const float* __restrict__ cos_table,
+                  const float* __restrict__ sin_table, int q_token_stride, const __grid_constant__ TensorMap cache_map) {
     extern __shared__ uint4 smem_raw[];
     const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023) & ~1023u;
     float4* exchange = reinterpret_cast<float4*>(reinterpret_cast<char*>(smem_raw) +
@@ -375,8 +388,58 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         }
     }
     const int group = lane >> 2, pair = (lane & 3) * 2;
+#if TMA_FUSED_WRITE
+    __shared__ __align__(16) bf16 own_latent[LATENT];
+    __shared__ float own_scratch[32];
+    const int own_position = positions[step_token];
+    const bool own_row = end == own_position + 1;  // this split holds the token's own position (block-uniform)
+    const float* cos_row = cos_table + (long long)own_position * (ROPE_DIM / 2);
+    const float* sin_row = sin_table + (long long)own_position * (ROPE_DIM / 2);
+    if (own_row) {  // computed while the first tiles are in flight
+        mla_latent_row(kv_a + (long long)step_token * kv_a_stride, norm_weight, eps, cos_row, sin_row, own_latent, true,
+                       own_scratch);
+        __syncthreads();
+        const int slot = slot_mapping[step_token];
+        if (blockIdx.y == 0 && slot >= 0 && threadIdx.x < LATENT / 8)  // the cache is written here, never read
+            reinterpret_cast<uint4*>(const_cast<bf16*>(cache) + (long long)slot * LATENT)[threadIdx.x] =
+                reinterpret_cast<const uint4*>(own_latent)[threadIdx.x];
+    }
+#endif
     // this warp's query A fragments: heads group, group + 8; dims of its score steps (zeros past `heads`)
     unsigned qf[SCORE_STEPS][4];
+#if TMA_FUSED_WRITE
+    {  // q_latent as it is; q's rope dims from the projection's rows, rotated here
+        const int half = ROPE_DIM / 2;
+#pragma unroll
+        for (int kk = 0; kk < SCORE_STEPS; ++kk) {
+            const int dim = (warp * SCORE_STEPS + kk) * 16 + pair;
+#pragma unroll
+            for (int part = 0; part < 4; ++part) {
+                const int d = dim + 8 * (part >> 1);
+                const int h = part & 1 ? group + 8 : group;
+                unsigned value = 0u;
+                if (h < heads && d < KV_LORA) {
+                    value = *reinterpret_cast<const unsigned*>(q_latent + ((long long)t * num_heads + head0 + h) * KV_LORA + d);
+                } else if (h < heads) {
+                    const int r = d - KV_LORA, i = r < half ? r : r - half;  // r even: dims r, r + 1 of the pair's half
+                    const bf16* pe = q + (long long)t * q_token_stride + (long long)(head0 + h) * q_stride + q_pe_offset;
+                    const __nv_bfloat162 self = *reinterpret_cast<const __nv_bfloat162*>(pe + r);
+                    const __nv_bfloat162 other = *reinterpret_cast<const __nv_bfloat162*>(pe + (r < half ? r + half : r - half));
+                    float out[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float x_self = __bfloat162float(e ? self.y : self.x);
+                        const float x_other = __bfloat162float(e ? other.y : other.x);
+                        out[e] = r < half ? mla_rope_pair(x_self, x_other, cos_row[i + e], sin_row[i + e]).x
+                                          : mla_rope_pair(x_other, x_self, cos_row[i + e], sin_row[i + e]).y;
+                    }
+                    value = pack_bf16x2(out[0], out[1]);
+                }
+                qf[kk][part] = value;
+            }
+        }
+    }
+#else
     {
         const long long head_lo = (long long)t * num_heads + head0 + group, head_hi = head_lo + 8;
 #pragma unroll
@@ -393,6 +456,7 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
             }
         }
     }
+#endif
     float acc[OUT_DIMS / 8][4];
 #pragma unroll
     for (int j = 0; j < OUT_DIMS / 8; ++j)
@@ -418,6 +482,16 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         float4* tile_exchange = exchange;
 #endif
         mbar_wait(bars + 8 * stage, (i / TMA_STAGES) & 1);
+#if TMA_FUSED_WRITE
+        if (own_row && i == num_tiles - 1) {  // the split's last tile holds the own position: its row from here
+            if (threadIdx.x < LATENT / 8) {
+                const uint4 v = reinterpret_cast<const uint4*>(own_latent)[threadIdx.x];
+                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(latent_at(tile, end - 1 - key0, 8 * threadIdx.x)),
+                             "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+            }
+            __syncthreads();
+        }
+#endif
         float part[KEY_TILES][4];
 #pragma unroll
         for (int n = 0; n < KEY_TILES; ++n)

@@ -818,10 +818,11 @@ def test_tma_fused_combine_and_fast_search_bit_equal(cuda_backend, rng, monkeypa
         monkeypatch.setenv(env, "1")
 
 
-@pytest.mark.parametrize("fused,fast,view", [("1", "1", "0"), ("1", "0", "1"), ("1", "1", "1")])
-def test_tma_fused_combine_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, fused, fast, view):
-    """The fused combine, the one-round search and q read in place captured in a CUDA graph and replayed (the counts
-    are reset by the replayed kernel itself): the eager step's bits."""
+@pytest.mark.parametrize("fused,fast,view,write", [("1", "1", "0", "0"), ("1", "0", "1", "0"), ("1", "1", "1", "0"),
+                                                   ("0", "0", "0", "1"), ("1", "1", "1", "1")])
+def test_tma_fused_combine_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, fused, fast, view, write):
+    """The fused combine, the one-round search, q read in place and the folded latent write captured in a CUDA graph
+    and replayed (the counts are reset by the replayed kernel itself): the eager step's bits."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import mla_decode_sm90
 
@@ -830,6 +831,7 @@ def test_tma_fused_combine_graph_replay_equals_eager(cuda_backend, rng, monkeypa
     monkeypatch.setenv(mla_decode_sm90.FUSED_COMBINE_ENV, fused)
     monkeypatch.setenv(mla_decode_sm90.FAST_SEARCH_ENV, fast)
     monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, view)
+    monkeypatch.setenv(cuda_mla.FUSED_WRITE_ENV, write)
     _graph_replay_equals_eager(cuda_backend, rng, "tma")
     spec = _spec(16)
     step = ragged_mla_step(rng, spec, *_decode_rows("sixteen"), BLOCK_SIZE)
@@ -883,3 +885,56 @@ def test_q_view_equals_copy_then_write(cuda_backend, rng, monkeypatch, heads, st
     monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, "yes")
     with pytest.raises(ValueError, match="OPENINFER_MLA_Q_VIEW"):
         cuda_mla.q_view_fits(fused[:, :width], spec)
+
+
+@pytest.mark.parametrize("heads", [16, 20, 64])
+@pytest.mark.parametrize("step", ["decodes", "sixteen", "sixty-four", "one", "chunks", "mixed"])
+@pytest.mark.parametrize("kernel,combine", [("tma", "0"), ("tma", "1"), ("mma_shared", "0")])
+def test_fused_write_equals_separate_write(cuda_backend, rng, monkeypatch, heads, step, kernel, combine):
+    """$OPENINFER_MLA_FUSED_WRITE=1: in steps of one new token per sequence mla_attention_tma computes the latent rows
+    itself (head block 0 stores them) and rotates q's rope dims as it loads them, over caches whose own slots hold NaN
+    bits before the step (the attention never reads them from the cache): the output and cache bits of the q-in-place
+    path with its separate latent write ($OPENINFER_MLA_Q_VIEW=1; the same strided W_UK), with and without the fused
+    combine; other kernels take the q_pe write first; steps of several tokens per sequence ("chunks") and mixed steps
+    keep the separate write; within bf16 of NumPy per row; a bad value is a clear error."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if kernel == "tma" and not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.setenv(mla_decode_sm90.FUSED_COMBINE_ENV, combine)
+    spec = _spec(heads)
+    cached, new = {"decodes": DECODES["ragged"], "one": ([700], [1]), "chunks": ([40, 100, 33, 64], [3, 5, 2, 1]),
+                   "mixed": ([0, 100, 57, 3], [40, 1, 1, 30])}.get(step) or _decode_rows(step)
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
+    fused = cuda_backend.upload(np.concatenate([q, latent], axis=1))
+    before = fused.copy()
+    width = q.shape[1]
+    prepared = cuda_backend.prepare_batch(batch)
+    args = (cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv), cuda_backend.weight(norm), spec,
+            prepared, cupy.asarray(rope.cos), cupy.asarray(rope.sin), 1e-6)
+    own_slots = cupy.asarray(batch.slot_mapping)
+    results = {}
+    for fused_write in ("0", "1"):
+        monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, "1")
+        monkeypatch.setenv(cuda_mla.FUSED_WRITE_ENV, fused_write)
+        assert cuda_mla.fused_write_fits(fused[:, :width], spec, prepared) is (fused_write == "1" and step != "chunks"
+                                                                                and step != "mixed")
+        device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+        _poison_unused_slots(device_cache, batch)
+        device_cache.reshape(-1, spec.latent_dim)[own_slots] = 0x7FC0  # the step's own rows: NaN until written
+        fused[...] = before
+        out = cuda_mla.mla_forward(cuda_backend.blas, fused[:, :width], fused[:, width:], device_cache, *args,
+                                   prefill_min_query=16, absorbed_kernel=kernel)
+        results[fused_write] = (out.get(), device_cache.get())
+        if step != "mixed":
+            assert np.array_equal(fused.get(), before.get())  # q read where it lies, never rotated in place
+    assert np.array_equal(results["1"][1], results["0"][1])  # the same latent rows cached
+    assert np.array_equal(results["1"][0], results["0"][0])
+    out = cuda_backend.to_host(cupy.asarray(results["1"][0]))
+    assert relative_error(out, reference) < BF16_TOL
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], reference[row]) < BF16_TOL, row
+    monkeypatch.setenv(cuda_mla.FUSED_WRITE_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_FUSED_WRITE"):
+        cuda_mla.fused_write_fits(fused[:, :width], spec, prepared)

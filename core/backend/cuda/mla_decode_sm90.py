@@ -242,10 +242,12 @@ def split_counts(slots: int) -> cupy.ndarray | None:
     return counts if slots <= SPLIT_COUNTS else None
 
 
-def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False, fused: bool = False) -> tuple[object, int]:
+def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False, fused: bool = False,
+                      write: bool = False) -> tuple[object, int]:
     """The compiled kernel for the current tile choice and ``cluster`` (tma_cluster), and its shared memory;
     ``pdl``: built with MLA_PDL (core's $OPENINFER_MLA_PDL, programmatic dependent launch), and with
-    MLA_PDL_EARLY_TILES where ``early_tiles``; ``fused``: with TMA_FUSED_COMBINE (the last split combines)."""
+    MLA_PDL_EARLY_TILES where ``early_tiles``; ``fused``: with TMA_FUSED_COMBINE (the last split combines);
+    ``write``: with TMA_FUSED_WRITE (the latent write and q's rope folded in: core's $OPENINFER_MLA_FUSED_WRITE)."""
     keys, stages = tma_tile()
     one_barrier = tma_one_barrier()
     smem = tma_decode_smem(spec, keys, stages, one_barrier)
@@ -254,6 +256,7 @@ def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False, fused:
                             TMA_ONE_BARRIER=int(one_barrier), TMA_ROW_BOXES=int(tma_row_boxes()),
                             **({"TMA_FAST_SEARCH": 1} if fast_search() else {}),
                             **({"TMA_FUSED_COMBINE": 1} if fused else {}),
+                            **({"TMA_FUSED_WRITE": 1} if write else {}),
                             **({"MLA_PDL": 1, **({"MLA_PDL_EARLY_TILES": 1} if early_tiles() else {})} if pdl else {}))
     ptr = getattr(attention, "ptr", None)  # None: a discover_kernels stand-in
     if cluster > 8 and ptr is not None and ptr not in _non_portable_allowed:
@@ -264,10 +267,15 @@ def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False, fused:
 
 def launch_tma_decode(attention, smem: int, grid: tuple[int, int, int], args: tuple, cache: cupy.ndarray,
                       balance_slots: int = 0, after_previous: bool = False,
-                      counts: cupy.ndarray | None = None) -> None:
+                      counts: cupy.ndarray | None = None, write_args: tuple = ()) -> None:
     """``mla_attention_tma`` over ``grid`` with mla_attention_mma_shared's ``args``, ``balance_slots`` (0: each
     token's context split evenly over grid z) and the cache's map; ``after_previous``: a programmatic dependent
-    launch (a kernel built with MLA_PDL); ``counts``: the fused combine's ``split_counts`` (a kernel built with it)."""
+    launch (a kernel built with MLA_PDL); ``counts``: the fused combine's ``split_counts`` (a kernel built with it);
+    ``write_args``: the folded latent write's (kv_a, its row stride, norm, eps, slots, cos, sin, q's row stride),
+    null / zero where the kernel does not write."""
+    if not write_args:
+        write_args = (np.uint64(0), np.int32(0), np.uint64(0), np.float32(0), np.uint64(0), np.uint64(0),
+                      np.uint64(0), np.int32(0))
     launch(attention, grid, (TMA_THREADS,), (*args, np.int32(balance_slots), np.uint64(0) if counts is None else counts,
-                                             cache_map(cache, tma_row_boxes())),
+                                             *write_args, cache_map(cache, tma_row_boxes())),
            smem, after_previous=after_previous)
