@@ -312,14 +312,21 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
             total += warp_counts[w][1];
         }
         table = block_tables + (long long)seq * max_blocks_per_seq;
-        const int per_split = ((context + num_splits - 1) / num_splits + TMA_KEYS - 1) / TMA_KEYS * TMA_KEYS;
-        begin = split * per_split;
-        end = min(context, begin + per_split);
     }
 #else
     const int* table = mla_split_context<TMA_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq, positions,
                                                    step_token, num_splits, split, begin, end);
+    const int context = positions[step_token] + 1;
 #endif
+    // TMA_FUSED_WRITE: the splits cut the cached keys (context − 1) and the last one also takes the token's own row,
+    // which comes from shared memory (no copy): a decode context of n splits' whole tiles + 1 no longer rounds every
+    // split up by a tile (1,025 keys over 16 splits: 64 keys each, not 96 over 11).
+    const int split_context = TMA_FUSED_WRITE ? max(1, context - 1) : context;
+    {
+        const int per_split = ((split_context + num_splits - 1) / num_splits + TMA_KEYS - 1) / TMA_KEYS * TMA_KEYS;
+        begin = split * per_split;
+        end = min(split_context, begin + per_split);
+    }
 #if TMA_CLUSTER == 1  // (clusters never balance: their splits always combine on chip)
     bool whole = num_splits == 1;  // this split is the token's only one: o_latent written here
     if (balance_slots > 0 && num_splits > 1) {
@@ -334,15 +341,17 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         total = 0;
 #pragma unroll
         for (int w = 0; w < TMA_WARPS; ++w) total += warp_totals[w];
-        const int context = positions[step_token] + 1;
 #endif
         const int length = max(TMA_KEYS, (total + balance_slots - 1) / balance_slots);
-        const int n = min(num_splits, max(1, (context + length / 2) / length));
-        const int per_split = ((context + n - 1) / n + TMA_KEYS - 1) / TMA_KEYS * TMA_KEYS;
+        const int n = min(num_splits, max(1, (split_context + length / 2) / length));
+        const int per_split = ((split_context + n - 1) / n + TMA_KEYS - 1) / TMA_KEYS * TMA_KEYS;
         begin = split * per_split;
-        end = min(context, begin + per_split);
-        whole = begin == 0 && end == context;
+        end = min(split_context, begin + per_split);
     }
+#endif
+    if (TMA_FUSED_WRITE && begin < end && end == split_context) end = context;  // the last split: + the own row
+#if TMA_CLUSTER == 1
+    if (balance_slots > 0 && num_splits > 1) whole = begin == 0 && end == context;
 #endif
     const int num_tiles = begin < end ? (end - begin + TMA_KEYS - 1) / TMA_KEYS : 0;  // 0: an empty split
     if (threadIdx.x == 0 && num_tiles > 0) {
@@ -382,6 +391,7 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     }
     if (threadIdx.x == 0 && num_tiles > 0) {
         for (int i = early_tiles; i < TMA_STAGES && i < num_tiles; ++i) {
+            if (TMA_FUSED_WRITE && begin + i * TMA_KEYS == context - 1) break;  // the own row alone: from shared memory
             int rows[TMA_KEYS / TMA_BOX_ROWS];
             tile_rows(rows, table, block_size, begin + i * TMA_KEYS, end);
             issue_tile(base + i * TILE_BYTES, bars + 8 * i, rows, &cache_map);
@@ -471,19 +481,26 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     for (int i = 0; i < num_tiles; ++i) {
         const int stage = i % TMA_STAGES, key0 = begin + i * TMA_KEYS;
         const u32 tile = base + stage * TILE_BYTES;
+        // TMA_FUSED_WRITE: a tile of the own row alone (the last split's, at context − 1) is never copied: its row is
+        // stored into the free stage below, with no wait
+        const bool own_only = TMA_FUSED_WRITE && key0 == context - 1;
 #if TMA_ONE_BARRIER  // the stage of tile i - 1 takes tile i - 1 + STAGES after this tile's barrier
-        const bool refill = threadIdx.x == 0 && i >= 1 && i - 1 + TMA_STAGES < num_tiles;
+        const bool refill = threadIdx.x == 0 && i >= 1 && i - 1 + TMA_STAGES < num_tiles &&
+                            !(TMA_FUSED_WRITE && key0 + (TMA_STAGES - 1) * TMA_KEYS == context - 1);
         if (refill) tile_rows(next_rows, table, block_size, key0 + (TMA_STAGES - 1) * TMA_KEYS, end);
         float4* tile_exchange = exchange + (i & 1) * EXCHANGE_FLOAT4S;
 #else
-        const bool refill = threadIdx.x == 0 && i + TMA_STAGES < num_tiles;
+        const bool refill = threadIdx.x == 0 && i + TMA_STAGES < num_tiles &&
+                            !(TMA_FUSED_WRITE && key0 + TMA_STAGES * TMA_KEYS == context - 1);
         if (refill)  // the page ids of the tile this stage takes next, loaded while this one is multiplied
             tile_rows(next_rows, table, block_size, key0 + TMA_STAGES * TMA_KEYS, end);
         float4* tile_exchange = exchange;
 #endif
-        mbar_wait(bars + 8 * stage, (i / TMA_STAGES) & 1);
+        if (!own_only) mbar_wait(bars + 8 * stage, (i / TMA_STAGES) & 1);
 #if TMA_FUSED_WRITE
-        if (own_row && i == num_tiles - 1) {  // the split's last tile holds the own position: its row from here
+        // the split's last tile holds the own position: its row from here (over the copy's, or alone: the stage is
+        // free, every warp being past the tile that used it last; rows past it are masked as any tile's past `end`)
+        if (own_row && i == num_tiles - 1) {
             if (threadIdx.x < LATENT / 8) {
                 const uint4 v = reinterpret_cast<const uint4*>(own_latent)[threadIdx.x];
                 asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(latent_at(tile, end - 1 - key0, 8 * threadIdx.x)),
