@@ -113,8 +113,12 @@ DEFAULT_Q_VIEW = False
 # one new token per sequence (decode steps and their graphs): the split that holds a token's own position computes
 # its latent row (the write kernel's sums), head block 0 stores it, the tile holding that position takes it from
 # shared memory, and every CTA rotates q's rope dims as it loads them from the projection's rows (q read in place, as
-# Q_VIEW; W_UK strided). One launch fewer a layer (s12 D1, Moonlight b16: the latent write took 4.0 us a layer), the
-# same bits. Other kernels (off Hopper, the step's choice) take mla_write_latent_q_pe first.
+# Q_VIEW; W_UK strided). The splits cut the cached keys and the last one adds the own row (alone in its tile where the
+# cached keys fill whole tiles: no copy for it): Moonlight b16's 1,025-key contexts run 16 splits of 64 keys (2 tiles,
+# both in flight from the start) instead of 11 of 96 (3 tiles, the third behind a refill); Kimi b1 32 of 32 instead
+# of 17 of 64. One launch fewer a layer (s12 D1, Moonlight b16: the latent write took 4.0 us a layer); with one split
+# the same bits, with more the same sums over other split bounds. Other kernels (off Hopper, the step's choice) take
+# mla_write_latent_q_pe first.
 FUSED_WRITE_ENV = "OPENINFER_MLA_FUSED_WRITE"
 DEFAULT_FUSED_WRITE = False
 WRITE_ABSORB_MAX_TOKENS = 16  # mla.cu ABSORB_MAX_TOKENS (each thread's accumulators: 16 rows x 8 columns)
