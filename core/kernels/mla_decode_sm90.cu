@@ -366,8 +366,12 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     int early_tiles = 0;
 #if MLA_PDL && MLA_PDL_EARLY_TILES
     if (threadIdx.x == 0 && num_tiles > 0) {
+#if TMA_FUSED_WRITE  // the own row, the step's only new one, is patched in shared memory: every copied tile may go
+        const int first_new = context + TMA_KEYS - 2;  // (not a tile of the own row alone: `begin + i·KEYS < context − 1`)
+#else
         const int seq = (int)((table - block_tables) / max_blocks_per_seq);
         const int first_new = positions[query_start[seq]];  // the sequence's first token in this step
+#endif
         for (; early_tiles < TMA_STAGES && early_tiles < num_tiles &&
                begin + (early_tiles + 1) * TMA_KEYS <= first_new; ++early_tiles) {
             int rows[TMA_KEYS / TMA_BOX_ROWS];

@@ -818,16 +818,20 @@ def test_tma_fused_combine_and_fast_search_bit_equal(cuda_backend, rng, monkeypa
         monkeypatch.setenv(env, "1")
 
 
-@pytest.mark.parametrize("fused,fast,view,write", [("1", "1", "0", "0"), ("1", "0", "1", "0"), ("1", "1", "1", "0"),
-                                                   ("0", "0", "0", "1"), ("1", "1", "1", "1")])
-def test_tma_fused_combine_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, fused, fast, view, write):
-    """The fused combine, the one-round search, q read in place and the folded latent write captured in a CUDA graph
-    and replayed (the counts are reset by the replayed kernel itself): the eager step's bits."""
+@pytest.mark.parametrize("fused,fast,view,write,pdl", [("1", "1", "0", "0", "0"), ("1", "0", "1", "0", "0"),
+                                                       ("1", "1", "1", "0", "0"), ("0", "0", "0", "1", "0"),
+                                                       ("1", "1", "1", "1", "0"), ("1", "1", "1", "1", "1")])
+def test_tma_fused_combine_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, fused, fast, view, write, pdl):
+    """The fused combine, the one-round search, q read in place and the folded latent write (and with PDL, its tiles
+    copied before the wait) captured in a CUDA graph and replayed (the counts are reset by the replayed kernel
+    itself): the eager step's bits."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import mla_decode_sm90
 
     if not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.setenv(cuda_mla.PDL_ENV, pdl)
+    monkeypatch.setenv(mla_decode_sm90.EARLY_TILES_ENV, pdl)
     monkeypatch.setenv(mla_decode_sm90.FUSED_COMBINE_ENV, fused)
     monkeypatch.setenv(mla_decode_sm90.FAST_SEARCH_ENV, fast)
     monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, view)

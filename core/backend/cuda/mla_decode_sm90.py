@@ -183,7 +183,9 @@ def tma_blocks_per_sm_of(spec: MLASpec) -> int:
 # PDL chain it needs, MLA_PDL + WRITE_ABSORB + EXPAND_SMALL, at 0.947x of the b16 step): the PDL build copies the first
 # tiles that lie wholly before the sequence's first new position of the step (rows earlier steps wrote) before its
 # griddepcontrol.wait (mla_decode_sm90.cu MLA_PDL_EARLY_TILES), so the key stream overlaps the kernel before it (the
-# latent write or W_UK). The same bits.
+# latent write or W_UK). The same bits. With the latent write folded in (core's $OPENINFER_MLA_FUSED_WRITE) every tile
+# of the ring goes before the wait (the step's own row is patched in shared memory): the whole first ring in flight
+# while W_UK runs.
 EARLY_TILES_ENV = "OPENINFER_MLA_PDL_EARLY_TILES"
 
 
