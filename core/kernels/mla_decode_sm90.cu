@@ -201,47 +201,58 @@ __device__ __forceinline__ bool tma_last_split(int* split_counts, int slot, int 
 
 // mla_combine_splits_flat's sums for `heads` heads from row head_row of the partials, by one CTA (the last split's):
 // the same weights (a rounded product), the same total and the same fused multiply-adds in split order: bit-equal
-// to the combine kernels. The partials were written by other CTAs of this grid: read through L2 (ld.global.cg), never
-// the read-only path.
+// to the combine kernels. Each head's split weights first go to `scratch` (the drained ring: [TMA_HEADS][num_splits]
+// weights, then [TMA_HEADS] totals), then every thread loads all splits' float4 of its output dims at once. The
+// partials were written by other CTAs of this grid: read through L2 (ld.global.cg), never the read-only path. One
+// SM reads heads x num_splits x KV_LORA x 4 bytes: worth it for few splits only (core's FUSED_COMBINE_MAX_SPLITS).
+#define FUSED_COMBINE_MAX_SPLITS 16  // core's mla_decode_sm90.FUSED_COMBINE_MAX_SPLITS: launches of more splits
+                                     // never pass split_counts
 __device__ __forceinline__ void tma_combine_splits(const float* partial_o, const float* partial_ml, int num_splits,
-                                                   long long head_row, int heads, bf16* __restrict__ out) {
-    constexpr int CHUNK = 8;  // splits' partial rows loaded together
-    for (int i = threadIdx.x; i < heads * (KV_LORA / 4); i += TMA_THREADS) {
-        const long long head = head_row + i / (KV_LORA / 4);
-        const int d = (i % (KV_LORA / 4)) * 4;
-        const float2* ml = reinterpret_cast<const float2*>(partial_ml + head * num_splits * 2);
-        if (__ldcg(ml).x == INFINITY) continue;  // written whole by its one split (balanced splits)
+                                                   long long head_row, int heads, bf16* __restrict__ out,
+                                                   float* scratch) {
+    float* weights = scratch;                              // [TMA_HEADS][num_splits], < 0: an empty split
+    float* totals = scratch + TMA_HEADS * num_splits;      // [TMA_HEADS], < 0: written whole (skipped)
+    if (threadIdx.x < heads) {
+        const int h = threadIdx.x;
+        const float2* ml = reinterpret_cast<const float2*>(partial_ml + (head_row + h) * num_splits * 2);
         float m = -INFINITY;
+        bool whole = false;
         for (int z = 0; z < num_splits; ++z) {
             const float2 split = __ldcg(ml + z);
+            if (z == 0) whole = split.x == INFINITY;  // written whole by its one split (balanced splits)
             if (split.y > 0.f) m = fmaxf(m, split.x);
         }
-        float total = 0.f;
+        float total = 0.f;  // in split order, as mla_combine_splits sums
         for (int z = 0; z < num_splits; ++z) {
             const float2 split = __ldcg(ml + z);
-            if (split.y > 0.f) total += __fmul_rn(__expf(split.x - m), split.y);
+            const float weight = split.y > 0.f ? __fmul_rn(__expf(split.x - m), split.y) : -1.f;
+            weights[h * num_splits + z] = weight;
+            if (weight >= 0.f) total += weight;
         }
+        totals[h] = whole ? -1.f : total;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < heads * (KV_LORA / 4); i += TMA_THREADS) {
+        const int h = i / (KV_LORA / 4), d = (i % (KV_LORA / 4)) * 4;
+        const float total = totals[h];
+        if (total < 0.f) continue;
+        const long long head = head_row + h;
         const float* column = partial_o + head * num_splits * KV_LORA + d;
+        float4 o[FUSED_COMBINE_MAX_SPLITS];
+#pragma unroll
+        for (int z = 0; z < FUSED_COMBINE_MAX_SPLITS; ++z)  // every split's dims in flight at once
+            o[z] = z < num_splits && weights[h * num_splits + z] >= 0.f
+                       ? __ldcg(reinterpret_cast<const float4*>(column + (long long)z * KV_LORA))
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
         float sum[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int z0 = 0; z0 < num_splits; z0 += CHUNK) {
-            float weight[CHUNK];
-            float4 o[CHUNK];
 #pragma unroll
-            for (int k = 0; k < CHUNK; ++k) {
-                const int z = z0 + k;
-                const float2 split = z < num_splits ? __ldcg(ml + z) : make_float2(0.f, 0.f);
-                weight[k] = split.y > 0.f ? __fmul_rn(__expf(split.x - m), split.y) : -1.f;
-                o[k] = weight[k] >= 0.f ? __ldcg(reinterpret_cast<const float4*>(column + (long long)z * KV_LORA))
-                                        : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-#pragma unroll
-            for (int k = 0; k < CHUNK; ++k) {
-                if (weight[k] < 0.f) continue;
-                sum[0] = fmaf(weight[k], o[k].x, sum[0]);
-                sum[1] = fmaf(weight[k], o[k].y, sum[1]);
-                sum[2] = fmaf(weight[k], o[k].z, sum[2]);
-                sum[3] = fmaf(weight[k], o[k].w, sum[3]);
-            }
+        for (int z = 0; z < FUSED_COMBINE_MAX_SPLITS; ++z) {
+            const float weight = z < num_splits ? weights[h * num_splits + z] : -1.f;
+            if (weight < 0.f) continue;
+            sum[0] = fmaf(weight, o[z].x, sum[0]);
+            sum[1] = fmaf(weight, o[z].y, sum[1]);
+            sum[2] = fmaf(weight, o[z].z, sum[2]);
+            sum[3] = fmaf(weight, o[z].w, sum[3]);
         }
         __nv_bfloat162 pairs[2];
 #pragma unroll
@@ -389,7 +400,8 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         }
 #if TMA_CLUSTER == 1 && TMA_FUSED_COMBINE
         if (split_counts && tma_last_split(split_counts, t * gridDim.y + blockIdx.y, num_splits))
-            tma_combine_splits(partial_o, partial_ml, num_splits, (long long)t * num_heads + head0, heads, out);
+            tma_combine_splits(partial_o, partial_ml, num_splits, (long long)t * num_heads + head0, heads, out,
+                               reinterpret_cast<float*>(exchange) - TMA_STAGES * TILE_BYTES / 4);
 #endif
         return;  // block-uniform
     }
@@ -677,7 +689,8 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     }
 #if TMA_FUSED_COMBINE
     if (num_splits > 1 && split_counts && tma_last_split(split_counts, t * gridDim.y + blockIdx.y, num_splits))
-        tma_combine_splits(partial_o, partial_ml, num_splits, (long long)t * num_heads + head0, heads, out);
+        tma_combine_splits(partial_o, partial_ml, num_splits, (long long)t * num_heads + head0, heads, out,
+                           reinterpret_cast<float*>(exchange) - TMA_STAGES * TILE_BYTES / 4);  // the drained ring
 #endif
 #endif
 }

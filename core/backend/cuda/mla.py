@@ -776,7 +776,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         elif mla_decode_sm90.tma_balance():
             splits = max(splits, mla_decode_sm90.BALANCE_MIN_SPLITS)
             balance_slots = max(1, blocks_per_sm * num_sms // head_chunks)
-        if cluster == 1 and splits > 1 and mla_decode_sm90.fused_combine():
+        if cluster == 1 and 1 < splits <= mla_decode_sm90.FUSED_COMBINE_MAX_SPLITS and mla_decode_sm90.fused_combine():
             counts = mla_decode_sm90.split_counts(num_tokens * head_chunks)
         tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, pdl() and cluster == 1,
                                                                     counts is not None, latent_write is not None)

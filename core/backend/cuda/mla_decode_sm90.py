@@ -205,12 +205,16 @@ FAST_SEARCH_ENV = "OPENINFER_MLA_TMA_FAST_SEARCH"
 DEFAULT_FAST_SEARCH = False
 # Opt-in until a device A/B ($OPENINFER_MLA_TMA_FUSED_COMBINE=1): the context splits of a (token, head block) are
 # combined by the last of its CTAs to finish (a count per (token, head block) in ``split_counts``, reset to 0 by that
-# CTA; the partials read back through L2), not by a combine launch after the kernel (TMA_FUSED_COMBINE). The same
+# CTA; the partials read back through L2), not by a combine launch after the kernel (TMA_FUSED_COMBINE), in launches
+# of at most FUSED_COMBINE_MAX_SPLITS splits. The same
 # weights and sums as mla_combine_splits_flat / _wide: the same bits. Moonlight b16 (s12 D1, CUPTI): the combine
 # launch took 3.6 us a layer after the 16.6 us attention.
 FUSED_COMBINE_ENV = "OPENINFER_MLA_TMA_FUSED_COMBINE"
 DEFAULT_FUSED_COMBINE = False
 SPLIT_COUNTS = 1 << 16  # (token, head block) slots of the fused combine's counts; more: the combine launch runs
+# The most splits the fused combine takes (mla_decode_sm90.cu FUSED_COMBINE_MAX_SPLITS: one SM reads every split's
+# partials of its 16 heads, 32 KB a split, at one SM's share of L2 bandwidth); more: the combine launch runs.
+FUSED_COMBINE_MAX_SPLITS = 16
 _split_counts: dict[int, cupy.ndarray] = {}
 
 
