@@ -894,7 +894,8 @@ def test_q_view_equals_copy_then_write(cuda_backend, rng, monkeypatch, heads, st
 @pytest.mark.parametrize("heads", [16, 20, 64])
 @pytest.mark.parametrize("step", ["decodes", "sixteen", "sixty-four", "one", "tiles", "chunks", "mixed"])
 @pytest.mark.parametrize("kernel,combine,max_splits", [("tma", "0", ""), ("tma", "1", ""), ("tma", "0", "1"),
-                                                       ("tma", "1", "2"), ("mma_shared", "0", "")])
+                                                       ("tma", "1", "2"), ("tma", "cluster16", ""),
+                                                       ("tma", "cluster4", ""), ("mma_shared", "0", "")])
 def test_fused_write_equals_separate_write(cuda_backend, rng, monkeypatch, heads, step, kernel, combine, max_splits):
     """$OPENINFER_MLA_FUSED_WRITE=1: in steps of one new token per sequence mla_attention_tma computes the latent rows
     itself (head block 0 stores them), rotates q's rope dims as it loads them and splits the cached keys (the own row
@@ -902,14 +903,17 @@ def test_fused_write_equals_separate_write(cuda_backend, rng, monkeypatch, heads
     first), over caches whose own slots hold NaN bits before the step (the attention never reads them from the
     cache): the cached rows' bits of the q-in-place path with its separate latent write ($OPENINFER_MLA_Q_VIEW=1; the
     same strided W_UK), its output bits with one split (the same keys per split), within bf16 of it and of NumPy per
-    row with more, with and without the fused combine; other kernels take the q_pe write first; steps of several
-    tokens per sequence ("chunks") and mixed steps keep the separate write; a bad value is a clear error."""
+    row with more, with and without the fused combine, in clusters of 16 / 4; other kernels take the q_pe write first;
+    steps of several tokens per sequence ("chunks") and mixed steps keep the separate write; a bad value is a clear
+    error."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import mla_decode_sm90
 
     if kernel == "tma" and not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
-    monkeypatch.setenv(mla_decode_sm90.FUSED_COMBINE_ENV, combine)
+    cluster = combine.removeprefix("cluster") if combine.startswith("cluster") else "0"  # splits combined on chip
+    monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, cluster)
+    monkeypatch.setenv(mla_decode_sm90.FUSED_COMBINE_ENV, "1" if combine == "1" else "0")
     monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
     monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, "0" if max_splits == "1" else "1")  # one split: truly one
     spec = _spec(heads)
