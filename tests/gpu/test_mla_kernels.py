@@ -823,8 +823,8 @@ def test_tma_fused_combine_and_fast_search_bit_equal(cuda_backend, rng, monkeypa
                                                        ("1", "1", "1", "1", "0"), ("1", "1", "1", "1", "1")])
 def test_tma_fused_combine_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, fused, fast, view, write, pdl):
     """The fused combine, the one-round search, q read in place and the folded latent write (and with PDL, its tiles
-    copied before the wait) captured in a CUDA graph and replayed (the counts are reset by the replayed kernel
-    itself): the eager step's bits."""
+    copied before the wait, W_UK by mla_absorb_small) captured in a CUDA graph and replayed (the counts are reset by
+    the replayed kernel itself): the eager step's bits."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import mla_decode_sm90
 
@@ -832,6 +832,7 @@ def test_tma_fused_combine_graph_replay_equals_eager(cuda_backend, rng, monkeypa
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
     monkeypatch.setenv(cuda_mla.PDL_ENV, pdl)
     monkeypatch.setenv(mla_decode_sm90.EARLY_TILES_ENV, pdl)
+    monkeypatch.setenv(cuda_mla.ABSORB_SMALL_ENV, pdl)  # with PDL: W_UK by mla_absorb_small, its weights pre-wait
     monkeypatch.setenv(mla_decode_sm90.FUSED_COMBINE_ENV, fused)
     monkeypatch.setenv(mla_decode_sm90.FAST_SEARCH_ENV, fast)
     monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, view)
@@ -954,3 +955,36 @@ def test_fused_write_equals_separate_write(cuda_backend, rng, monkeypatch, heads
     monkeypatch.setenv(cuda_mla.FUSED_WRITE_ENV, "yes")
     with pytest.raises(ValueError, match="OPENINFER_MLA_FUSED_WRITE"):
         cuda_mla.fused_write_fits(fused[:, :width], spec, prepared)
+
+
+@pytest.mark.parametrize("heads", [16, 20, 64])
+@pytest.mark.parametrize("rows", [1, 9, 16, 17])
+@pytest.mark.parametrize("view", [False, True])
+def test_absorb_small_matches_cublas(cuda_backend, rng, monkeypatch, heads, rows, view):
+    """$OPENINFER_MLA_ABSORB_SMALL=1: W_UK by mla_absorb_small (at most 16 rows; q contiguous or a row view of a wider
+    buffer) within bf16 of cuBLAS's batched GEMM and of NumPy; 17 rows keep cuBLAS (the same bits); a bad value is a
+    clear error."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.mla import MLAWeights
+    from tests.gpu.conftest import bf16_random
+
+    spec = _spec(heads)
+    q = bf16_random(rng, rows, heads * spec.qk_head_dim)
+    kv_b = bf16_random(rng, heads * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank, scale=0.05)
+    weights = MLAWeights.from_kv_b(kv_b, spec)
+    wide = cuda_backend.upload(np.concatenate([q, bf16_random(rng, rows, 576)], axis=1))
+    q_dev = wide[:, :q.shape[1]] if view else cuda_backend.upload(q)
+    w_uk = cuda_backend.weight(weights.w_uk)
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(cuda_mla.ABSORB_SMALL_ENV, flag)
+        outs[flag] = cuda_backend.to_host(cuda_mla.absorb_queries(cuda_backend.blas, q_dev, w_uk, spec))
+    q32 = np.asarray(q, np.float32).reshape(rows, heads, spec.qk_head_dim)[..., :spec.qk_nope_dim]
+    reference = np.einsum("thn,hnl->thl", q32, np.asarray(weights.w_uk, np.float32))
+    assert relative_error(outs["1"], reference) < BF16_TOL
+    assert relative_error(outs["1"], outs["0"]) < BF16_TOL
+    if rows > cuda_mla.WRITE_ABSORB_MAX_TOKENS:
+        assert np.array_equal(outs["1"], outs["0"])
+    monkeypatch.setenv(cuda_mla.ABSORB_SMALL_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_ABSORB_SMALL"):
+        cuda_mla.absorb_small_fits(1, spec)

@@ -123,6 +123,12 @@ FUSED_WRITE_ENV = "OPENINFER_MLA_FUSED_WRITE"
 DEFAULT_FUSED_WRITE = False
 WRITE_ABSORB_MAX_TOKENS = 16  # mla.cu ABSORB_MAX_TOKENS (each thread's accumulators: 16 rows x 8 columns)
 WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
+# Opt-in until a device A/B: $OPENINFER_MLA_ABSORB_SMALL=1 runs W_UK as mla_absorb_small (mla_write_absorb's blocks
+# without the write: each thread's W_UK rows as 16-byte vectors all in flight, loaded before the programmatic wait
+# under $OPENINFER_MLA_PDL) instead of cuBLAS's batched GEMM in steps of at most WRITE_ABSORB_MAX_TOKENS rows; q read
+# through its row stride. s12 D1 (H200, CUPTI): W_UK 3.3 us a layer at Moonlight b16; s12 D3: 4.6 us at Kimi b1 (8 MB).
+ABSORB_SMALL_ENV = "OPENINFER_MLA_ABSORB_SMALL"
+DEFAULT_ABSORB_SMALL = False
 # Opt-in: $OPENINFER_MLA_EXPAND_SMALL=1 runs W_UV as mla_expand_small (tensor cores, one launch, fragments straight
 # from global memory) instead of cuBLAS's batched GEMM in steps of at most EXPAND_SMALL_MAX_TOKENS rows.
 EXPAND_SMALL_ENV = "OPENINFER_MLA_EXPAND_SMALL"
@@ -682,11 +688,28 @@ def _mma_decode_kernel(spec: MLASpec, blocks_of_16: bool):
     return attention, smem
 
 
+def absorb_small_fits(num_tokens: int, spec: MLASpec) -> bool:
+    """Whether W_UK of ``num_tokens`` rows runs mla_absorb_small ($OPENINFER_MLA_ABSORB_SMALL 1 / 0, unset:
+    DEFAULT_ABSORB_SMALL; another value: a clear error; at most WRITE_ABSORB_MAX_TOKENS rows, whole 64-column blocks
+    of the latent, nope in 16 row groups). Row count only: graph-safe."""
+    text = os.environ.get(ABSORB_SMALL_ENV) or str(int(DEFAULT_ABSORB_SMALL))
+    if text not in ("0", "1"):
+        raise ValueError(f"{ABSORB_SMALL_ENV} is 0 or 1; got {text!r}")
+    return (text == "1" and 0 < num_tokens <= WRITE_ABSORB_MAX_TOKENS and spec.kv_lora_rank % WRITE_ABSORB_COLUMNS == 0
+            and spec.qk_nope_dim % 16 == 0)
+
+
 def absorb_queries(blas: Cublas, q: cupy.ndarray, w_uk: cupy.ndarray, spec: MLASpec) -> cupy.ndarray:
-    """W_UK: ``q_latent [T, H, lora]`` from the nope dims of ``q [T, H·(nope+rope)]`` (one strided-batched GEMM;
-    ``q`` contiguous or a row view of unit column stride)."""
+    """W_UK: ``q_latent [T, H, lora]`` from the nope dims of ``q [T, H·(nope+rope)]`` (one strided-batched GEMM, or
+    mla_absorb_small; ``q`` contiguous or a row view of unit column stride)."""
     num_tokens, heads, nope, lora = int(q.shape[0]), spec.num_heads, spec.qk_nope_dim, spec.kv_lora_rank
     q_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
+    if absorb_small_fits(num_tokens, spec):
+        launch(kernel("mla.cu", "mla_absorb_small", **_decode_defines(spec)), (heads, lora // WRITE_ABSORB_COLUMNS),
+               (WRITE_ABSORB_THREADS,), (q, np.int32(q.strides[0] // q.itemsize), np.int32(spec.qk_head_dim),
+                                         np.int32(heads), np.int32(num_tokens), w_uk, q_latent),
+               after_previous=pdl())
+        return q_latent
     # q_latent_h^T [lora x T] = W_UK[h]^T [lora x nope] . q_nope_h^T [nope x T]   (column-major)
     row_stride = q.strides[0] // q.itemsize  # heads·(nope+rope) for a contiguous q; a row view's own stride
     blas.matmul_strided_batched(False, False, lora, num_tokens, nope, w_uk, lora, nope * lora,
