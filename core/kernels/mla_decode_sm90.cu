@@ -202,34 +202,34 @@ __device__ __forceinline__ bool tma_last_split(int* split_counts, int slot, int 
 // mla_combine_splits_flat's sums for `heads` heads from row head_row of the partials, by one CTA (the last split's):
 // the same weights (a rounded product), the same total and the same fused multiply-adds in split order: bit-equal
 // to the combine kernels. Each head's split weights first go to `scratch` (the drained ring: [TMA_HEADS][num_splits]
-// weights, then [TMA_HEADS] totals), then every thread loads all splits' float4 of its output dims at once. The
+// weights, [TMA_HEADS] totals, the (max, sum) pairs, all loaded in one round), then every thread loads all splits'
+// float4 of its output dims at once. The
 // partials were written by other CTAs of this grid: read through L2 (ld.global.cg), never the read-only path. One
 // SM reads heads x num_splits x KV_LORA x 4 bytes: worth it for few splits only (core's FUSED_COMBINE_MAX_SPLITS).
-#define FUSED_COMBINE_MAX_SPLITS 16  // core's mla_decode_sm90.FUSED_COMBINE_MAX_SPLITS: launches of more splits
-                                     // never pass split_counts
+#define FUSED_COMBINE_MAX_SPLITS 8  // core's mla_decode_sm90.FUSED_COMBINE_MAX_SPLITS: launches of more splits
+                                    // never pass split_counts
 __device__ __forceinline__ void tma_combine_splits(const float* partial_o, const float* partial_ml, int num_splits,
                                                    long long head_row, int heads, bf16* __restrict__ out,
                                                    float* scratch) {
     float* weights = scratch;                              // [TMA_HEADS][num_splits], < 0: an empty split
     float* totals = scratch + TMA_HEADS * num_splits;      // [TMA_HEADS], < 0: written whole (skipped)
+    float2* ml = reinterpret_cast<float2*>(totals + TMA_HEADS);  // [TMA_HEADS][num_splits] (max, sum)
+    for (int i = threadIdx.x; i < heads * num_splits; i += TMA_THREADS)  // every (max, sum) in one round of loads
+        ml[i] = __ldcg(reinterpret_cast<const float2*>(partial_ml) + head_row * num_splits + i);
+    __syncthreads();
     if (threadIdx.x < heads) {
         const int h = threadIdx.x;
-        const float2* ml = reinterpret_cast<const float2*>(partial_ml + (head_row + h) * num_splits * 2);
         float m = -INFINITY;
-        bool whole = false;
-        for (int z = 0; z < num_splits; ++z) {
-            const float2 split = __ldcg(ml + z);
-            if (z == 0) whole = split.x == INFINITY;  // written whole by its one split (balanced splits)
-            if (split.y > 0.f) m = fmaxf(m, split.x);
-        }
+        for (int z = 0; z < num_splits; ++z)
+            if (ml[h * num_splits + z].y > 0.f) m = fmaxf(m, ml[h * num_splits + z].x);
         float total = 0.f;  // in split order, as mla_combine_splits sums
         for (int z = 0; z < num_splits; ++z) {
-            const float2 split = __ldcg(ml + z);
+            const float2 split = ml[h * num_splits + z];
             const float weight = split.y > 0.f ? __fmul_rn(__expf(split.x - m), split.y) : -1.f;
             weights[h * num_splits + z] = weight;
             if (weight >= 0.f) total += weight;
         }
-        totals[h] = whole ? -1.f : total;
+        totals[h] = ml[h * num_splits].x == INFINITY ? -1.f : total;  // written whole by its one split (balanced)
     }
     __syncthreads();
     for (int i = threadIdx.x; i < heads * (KV_LORA / 4); i += TMA_THREADS) {

@@ -773,8 +773,8 @@ def test_absorb_side_bit_equal_to_one_stream(cuda_backend, rng, monkeypatch, dec
 
 
 @pytest.mark.parametrize("tile", ["32x2/2/rows", "16x4/1"])
-@pytest.mark.parametrize("heads", [16, 20, 64])
-@pytest.mark.parametrize("decodes", ["ragged", "one-long", "sixteen", "many"])
+@pytest.mark.parametrize("heads", [20, 64])
+@pytest.mark.parametrize("decodes", ["ragged", "sixteen", "many"])
 @pytest.mark.parametrize("balance", ["0", "1"])
 def test_tma_fused_combine_and_fast_search_bit_equal(cuda_backend, rng, monkeypatch, tile, heads, decodes, balance):
     """$OPENINFER_MLA_TMA_FUSED_COMBINE=1 (the last split of a (token, head block) to finish combines the partials:
@@ -848,7 +848,7 @@ def test_tma_fused_combine_graph_replay_equals_eager(cuda_backend, rng, monkeypa
 
 @pytest.mark.parametrize("heads", [16, 20, 64])
 @pytest.mark.parametrize("step", ["decodes", "sixteen", "mixed", "one"])
-@pytest.mark.parametrize("kernel", ["tma", "mma_shared", "mma"])
+@pytest.mark.parametrize("kernel", ["tma", "mma_shared"])
 def test_q_view_equals_copy_then_write(cuda_backend, rng, monkeypatch, heads, step, kernel):
     """$OPENINFER_MLA_Q_VIEW=1: q and the latent as row views of one fused [T, q | latent] buffer (as the kimi model
     passes Moonlight's); the latent write stores the rotated q_pe into its own buffer and W_UK reads q through its
@@ -892,11 +892,10 @@ def test_q_view_equals_copy_then_write(cuda_backend, rng, monkeypatch, heads, st
         cuda_mla.q_view_fits(fused[:, :width], spec)
 
 
-@pytest.mark.parametrize("heads", [16, 20, 64])
-@pytest.mark.parametrize("step", ["decodes", "sixteen", "sixty-four", "one", "tiles", "chunks", "mixed"])
+@pytest.mark.parametrize("heads", [16, 64])
+@pytest.mark.parametrize("step", ["decodes", "sixteen", "one", "tiles", "chunks", "mixed"])
 @pytest.mark.parametrize("kernel,combine,max_splits", [("tma", "0", ""), ("tma", "1", ""), ("tma", "0", "1"),
-                                                       ("tma", "1", "2"), ("tma", "cluster16", ""),
-                                                       ("tma", "cluster4", ""), ("mma_shared", "0", "")])
+                                                       ("tma", "cluster16", ""), ("mma_shared", "0", "")])
 def test_fused_write_equals_separate_write(cuda_backend, rng, monkeypatch, heads, step, kernel, combine, max_splits):
     """$OPENINFER_MLA_FUSED_WRITE=1: in steps of one new token per sequence mla_attention_tma computes the latent rows
     itself (head block 0 stores them), rotates q's rope dims as it loads them and splits the cached keys (the own row
@@ -904,7 +903,7 @@ def test_fused_write_equals_separate_write(cuda_backend, rng, monkeypatch, heads
     first), over caches whose own slots hold NaN bits before the step (the attention never reads them from the
     cache): the cached rows' bits of the q-in-place path with its separate latent write ($OPENINFER_MLA_Q_VIEW=1; the
     same strided W_UK), its output bits with one split (the same keys per split), within bf16 of it and of NumPy per
-    row with more, with and without the fused combine, in clusters of 16 / 4; other kernels take the q_pe write first;
+    row with more, with and without the fused combine, in clusters of 16; other kernels take the q_pe write first;
     steps of several tokens per sequence ("chunks") and mixed steps keep the separate write; a bad value is a clear
     error."""
     from openinfer.backend.cuda import mla as cuda_mla

@@ -212,9 +212,11 @@ DEFAULT_FAST_SEARCH = False
 FUSED_COMBINE_ENV = "OPENINFER_MLA_TMA_FUSED_COMBINE"
 DEFAULT_FUSED_COMBINE = False
 SPLIT_COUNTS = 1 << 16  # (token, head block) slots of the fused combine's counts; more: the combine launch runs
-# The most splits the fused combine takes (mla_decode_sm90.cu FUSED_COMBINE_MAX_SPLITS: one SM reads every split's
-# partials of its 16 heads, 32 KB a split, at one SM's share of L2 bandwidth); more: the combine launch runs.
-FUSED_COMBINE_MAX_SPLITS = 16
+# The most splits the fused combine takes (mla_decode_sm90.cu FUSED_COMBINE_MAX_SPLITS caps the kernel's registers at
+# 8): one SM reads every split's partials of its 16 heads, 32 KB a split, about one L2 round trip per 32 KB: only few
+# splits pay. Early D1 (H200, s13, its first form: one thread's serial (max, sum) loads per output): Moonlight b16 step
+# 0.836x, Kimi b1 attention 9.6 -> 190.8 us. More splits than this: the combine launch runs.
+FUSED_COMBINE_MAX_SPLITS = 4
 _split_counts: dict[int, cupy.ndarray] = {}
 
 
