@@ -308,6 +308,25 @@ def test_sm90_above_switch_at_one_token(cuda_backend, sm90_moe, rng, monkeypatch
     assert relative_error(hopper, _moe_reference(x_host, layer.router, host)) < 2e-2
 
 
+@pytest.mark.parametrize("tiled", ["0", "1"])
+@pytest.mark.parametrize("tokens", [16, 64])
+def test_sm90_down_stream_k_within_rounding(cuda_backend, sm90_moe, rng, monkeypatch, tiled, tokens):
+    """OPENINFER_MOE_SM90_DOWN_SK=1 (decode-sized down projections on the stream-K build, PDL-launched after gate_up):
+    moe_forward within fp32-sum rounding of the whole-unit run, on the row and the tiled layout; deterministic (the
+    eager run's bits replayed from a CUDA graph)."""
+    hidden, inter = 512, 704  # 704: eleven 64-row gate / up tiles, several waves of down units
+    moe, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    monkeypatch.setenv(sm90_moe.TILED_ENV, tiled)
+    plain = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, fused))
+    monkeypatch.setenv(sm90_moe.DOWN_SK_ENV, "1")
+    assert sm90_moe.down_stream_k(tokens * 8 / fused.gate_up.num_experts)
+    eager, replay = _replayed(lambda: moe.moe_forward(cuda_backend, x, fused))
+    assert np.array_equal(replay, eager)
+    switched = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, fused))
+    assert relative_error(switched, plain) < 1e-2
+
+
 # (module, env, a bad value, the function that reads it) -> ValueError naming the env
 BAD_SWITCH_VALUES = [
     ("moe_sm90", "SM90_SHAPE_ENV", "m32", lambda m: m.sm90_shape(6.0)),
@@ -317,6 +336,7 @@ BAD_SWITCH_VALUES = [
     ("moe_sm90", "B_FIRST_ENV", "2", lambda m: m.b_first()),
     ("moe_sm90", "TILED_ENV", "sometimes", lambda m: m.tiled_wanted(1.0)),
     ("moe_sm90", "SM90_ABOVE_ENV", "-1", lambda m: m.sm90_above_rows_per_expert()),
+    ("moe_sm90", "DOWN_SK_ENV", "sometimes", lambda m: m.down_stream_k(1.0)),
     ("moe", "COMBINE_PDL_ENV", "sometimes", lambda m: m.combine_pdl_wanted()),
     ("moe", "COMBINE_VEC_ENV", "sometimes", lambda m: m.combine_vec_wanted(16)),
     ("moe", "COMBINE_NORM_ENV", "sometimes", lambda m: m.combine_norm_wanted(16)),

@@ -251,6 +251,22 @@ DEFAULT_TILED = False
 TILED_BLOCK_ROWS = 128  # the layout's block: the decode shape's tile (one box a stage); other tiles read 64-row boxes
 
 
+# OPENINFER_MOE_SM90_DOWN_SK (opt-in A/B; =1 on): decode-sized down projections (not gate_up, whose last wave the down
+# launch overlaps through PDL) run their shape's stream-K build: every CTA the same share of units x k-tiles, so the
+# last of ~3.2 waves of whole units (Moonlight at 16 tokens: 832 units over 264 CTAs) leaves no SMs idle before
+# moe_combine. Sums cut units through the fp32 workspace: not the whole-unit bits (within fp32 rounding).
+DOWN_SK_ENV = "OPENINFER_MOE_SM90_DOWN_SK"
+
+
+def down_stream_k(slots_per_expert: float) -> bool:
+    """$OPENINFER_MOE_SM90_DOWN_SK (1 / 0, unset: off) for launches of at most DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT
+    slots per expert; another value: a clear error."""
+    value = os.environ.get(DOWN_SK_ENV, "").lower()
+    if value not in ("", "0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{DOWN_SK_ENV} must be 1 or 0 (on / off), got {value!r}")
+    return value in ("1", "true", "on") and slots_per_expert <= DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT
+
+
 def tiled_wanted(slots_per_expert: float) -> bool:
     """$OPENINFER_MOE_SM90_TILED (1 / 0; unset: DEFAULT_TILED) for launches of at most
     DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT slots per expert; another value: a clear error."""
@@ -488,6 +504,8 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     if (not tiles.tiled_weights and not multicast and tiles.k_sub == 1 and tiled_wanted(per_expert)
             and l2_ahead(per_expert) == 0):
         tiles = dataclasses.replace(tiles, tiled_weights=True)
+    if not fuse_silu and not multicast and not tiles.stream_k and down_stream_k(per_expert):
+        tiles = dataclasses.replace(tiles, stream_k=True)
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
     out = cupy.empty((num_slots, out_features), dtype=cupy.uint16)
     if num_slots == 0:
