@@ -1109,7 +1109,8 @@ def combine_add_rms_norm(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared
     out, residual_out = cupy.empty_like(residual), cupy.empty_like(residual)
     if num_tokens:
         threads = min(1024, max(32, -(-hidden // 64) * 32))  # the block add_rms_norm's (its sum order)
-        kernel("rms_norm.cu", "moe_combine_add_rms_norm")((num_tokens,), (threads,), (
+        columns = -(-hidden // threads)  # each thread's columns, held in registers
+        kernel("rms_norm.cu", "moe_combine_add_rms_norm", COMBINE_NORM_COLS=columns)((num_tokens,), (threads,), (
             y, grouping.slot_pos, grouping.weights, NULL if shared is None else shared, np.int32(grouping.top_k),
             residual, weight, out, residual_out, np.int32(hidden), np.float32(eps)))
     return out, residual_out
