@@ -579,6 +579,33 @@ def test_combine_add_rms_norm_equals_unfused(cuda_backend, cuda_moe, rng, tokens
         moe.combine_add_rms_norm(y, grouping, shared, residual[:, :-8], norm, eps)
 
 
+@pytest.mark.parametrize("rows,features", [(1, 2048), (16, 2048), (16, 7168), (5, 260), (3, 520), (2, 9000)])
+def test_add_rms_norm_block_kernel(cuda_backend, rng, rows, features):
+    """rms_norm.cu add_rms_norm (the block kernel of decode-sized steps; its columns in registers up to 8 a thread,
+    9000 features: the two passes over memory): residual_out = bf16(x + residual) exactly, out the bits of the rms_norm
+    block kernel (normalize_row: the same threads, the same sum order) on that residual_out, and NumPy's fp32 RMSNorm
+    within bf16 rounding."""
+    from openinfer.backend.cuda.backend import _norm_threads
+    from openinfer.backend.cuda.bf16 import bf16_bits_to_float, float_to_bf16_bits
+    from openinfer.backend.cuda.loader import kernel
+
+    eps = 1e-6
+    x_host, residual_host = bf16_random(rng, rows, features), bf16_random(rng, rows, features)
+    norm_host = bf16_random(rng, features, scale=0.5)
+    x, residual, norm = cuda_backend.upload(x_host), cuda_backend.upload(residual_host), cuda_backend.weight(norm_host)
+    out, residual_out, renormed = (cupy.empty((rows, features), cupy.uint16) for _ in range(3))
+    threads = _norm_threads(features)
+    kernel("rms_norm.cu", "add_rms_norm")((rows,), (threads,), (x, residual, norm, out, residual_out,
+                                                                np.int32(features), np.float32(eps)))
+    kernel("rms_norm.cu", "rms_norm")((rows,), (threads,), (residual_out, norm, renormed, np.int32(features),
+                                                            np.float32(eps)))
+    summed = bf16_bits_to_float(float_to_bf16_bits((x_host + residual_host).astype(np.float32)))
+    assert np.array_equal(residual_out.get(), float_to_bf16_bits(summed))
+    assert np.array_equal(out.get(), renormed.get())
+    reference = summed / np.sqrt((summed.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps) * norm_host
+    assert relative_error(cuda_backend.to_host(out), reference) < 1e-2
+
+
 @pytest.mark.parametrize("tokens,num_experts,top_k,shared,groups", [
     (1, 64, 6, 2, (1, 1)), (5, 64, 6, 2, (1, 1)), (16, 64, 6, 2, (1, 1)), (64, 64, 6, 2, (1, 1)),
     (33, 16, 4, 1, (4, 2)), (200, 64, 6, 2, (1, 1))])
