@@ -579,10 +579,11 @@ def test_combine_add_rms_norm_equals_unfused(cuda_backend, cuda_moe, rng, tokens
         moe.combine_add_rms_norm(y, grouping, shared, residual[:, :-8], norm, eps)
 
 
+@pytest.mark.parametrize("registers", [0, 1])
 @pytest.mark.parametrize("rows,features", [(1, 2048), (16, 2048), (16, 7168), (5, 260), (3, 520), (2, 9000)])
-def test_add_rms_norm_block_kernel(cuda_backend, rng, rows, features):
-    """rms_norm.cu add_rms_norm (the block kernel of decode-sized steps; its columns in registers up to 8 a thread,
-    9000 features: the two passes over memory): residual_out = bf16(x + residual) exactly, out the bits of the rms_norm
+def test_add_rms_norm_block_kernel(cuda_backend, rng, rows, features, registers):
+    """rms_norm.cu add_rms_norm (the block kernel of decode-sized steps; ADD_NORM_REGISTERS=1: its columns in
+    registers up to 8 a thread, 9000 features the two passes over memory): residual_out = bf16(x + residual) exactly, out the bits of the rms_norm
     block kernel (normalize_row: the same threads, the same sum order) on that residual_out, and NumPy's fp32 RMSNorm
     within bf16 rounding."""
     from openinfer.backend.cuda.backend import _norm_threads
@@ -595,8 +596,8 @@ def test_add_rms_norm_block_kernel(cuda_backend, rng, rows, features):
     x, residual, norm = cuda_backend.upload(x_host), cuda_backend.upload(residual_host), cuda_backend.weight(norm_host)
     out, residual_out, renormed = (cupy.empty((rows, features), cupy.uint16) for _ in range(3))
     threads = _norm_threads(features)
-    kernel("rms_norm.cu", "add_rms_norm")((rows,), (threads,), (x, residual, norm, out, residual_out,
-                                                                np.int32(features), np.float32(eps)))
+    kernel("rms_norm.cu", "add_rms_norm", ADD_NORM_REGISTERS=registers)((rows,), (threads,), (
+        x, residual, norm, out, residual_out, np.int32(features), np.float32(eps)))
     kernel("rms_norm.cu", "rms_norm")((rows,), (threads,), (residual_out, norm, renormed, np.int32(features),
                                                             np.float32(eps)))
     summed = bf16_bits_to_float(float_to_bf16_bits((x_host + residual_host).astype(np.float32)))
