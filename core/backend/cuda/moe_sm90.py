@@ -40,10 +40,11 @@ from typing import TYPE_CHECKING
 import cupy
 import numpy as np
 
-from openinfer.backend.cuda.loader import arch_kernel
+from openinfer.backend.cuda.loader import arch_kernel, discovering
 from openinfer.backend.cuda.pdl_launch import launch
 from openinfer.backend.cuda.sm90_tiles import tiled_weight
 from openinfer.backend.cuda.tensor_maps import TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
+from openinfer.backend.cuda.weight_upload import wait_for_deferred_uploads
 
 if TYPE_CHECKING:
     from openinfer.backend.cuda.moe import ExpertGroupingDevice, ExpertLinear
@@ -277,7 +278,7 @@ def tiled_wanted(slots_per_expert: float) -> bool:
     return on and slots_per_expert <= DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT
 
 
-# the repacked copies: (weight address, shape, tile_n, fused) -> (the source array, kept so its address stays its
+# the repacked copies: (weight address, shape, block rows, fused) -> (the source array, kept so its address stays its
 # own while the copy lives; the copy)
 _tiled_copies: dict[tuple[int, tuple[int, ...], int, bool], tuple[cupy.ndarray, cupy.ndarray]] = {}
 
@@ -290,6 +291,7 @@ def tiled_copy(weight: ExpertLinear, fuse_silu: bool, block_rows: int = TILED_BL
     if found is None:
         if cupy.cuda.get_current_stream().is_capturing():
             return None
+        wait_for_deferred_uploads()  # the weight's own bytes may still be on their way (OPENINFER_WEIGHTS_JOIN)
         with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
             found = (weight.data, tiled_weight(weight.data, block_rows, fuse_silu, xp=cupy))
         _tiled_copies[key] = found
@@ -514,8 +516,9 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     shared = tiles.shared_bytes()
     if shared > SM90_MAX_SHARED_BYTES:
         raise ValueError(f"moe_sm90 tiles {tiles} need {shared} bytes of shared memory (at most {SM90_MAX_SHARED_BYTES})")
-    tiled = tiled_copy(weight, fuse_silu) if tiles.tiled_weights else None
-    if tiles.tiled_weights and tiled is None:  # first met inside a graph capture: the row layout
+    # the tiled copy (a dry run records the tiled build and copies nothing: its launch does nothing)
+    tiled = tiled_copy(weight, fuse_silu) if tiles.tiled_weights and not discovering() else None
+    if tiles.tiled_weights and tiled is None and not discovering():  # first met inside a graph capture: the rows
         tiles = dataclasses.replace(tiles, tiled_weights=False)
     wait_first = after_grouping and not multicast and gate_up_pdl()
     pdl = 2 if wait_first else int(sm90_pdl() and not multicast)
@@ -523,10 +526,11 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     fn = sm90_kernel(tiles, fuse_silu, multicast, pdl, _rotate_units if _rotate_units < weight.num_experts else 0,
                      ahead, b_first(per_expert))
     grid = sm90_grid(num_slots, weight, fuse_silu, multicast, tiles)
-    args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
-            weight_maps.get(weight, tiles.tile_n // 2) if tiled is None else
-            weight_maps.of(tiled.data.ptr, tiled_box_layout(tiled, tiles.tile_n)), grouping.offsets, np.int32(weight.num_experts), out,
-            np.int32(weight.out_features), np.int32(weight.in_features))
+    weight_map = (weight_maps.get(weight, tiles.tile_n // 2) if tiled is None
+                  else weight_maps.of(tiled.data.ptr, tiled_box_layout(tiled, tiles.tile_n)))
+    args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k), weight_map,
+            grouping.offsets, np.int32(weight.num_experts), out, np.int32(weight.out_features),
+            np.int32(weight.in_features))
     if tiles.stream_k:  # each CTA's part of a unit cut at its start (fp32, fragment order), and its flag
         flags = _stream_k_flags(fuse_silu, gather)
         if flags is None:  # first met inside a graph capture: zeros of its own (a memset node before the kernel)
