@@ -7,6 +7,8 @@ with fused shared experts), ``_sm90_problem`` (ragged expert loads for the kerne
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -306,6 +308,45 @@ def test_sm90_above_switch_at_one_token(cuda_backend, sm90_moe, rng, monkeypatch
     hopper = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, fused))
     assert relative_error(hopper, gemv) < 2e-2
     assert relative_error(hopper, _moe_reference(x_host, layer.router, host)) < 2e-2
+
+
+def test_sm90_tiled_at_load(cuda_backend, sm90_moe, rng, monkeypatch):
+    """OPENINFER_MOE_SM90_TILED=load: fuse_shared_experts holds the stacks in moe_sm90's tiled layouts only (gate_up's
+    gate / up blocks, down's plain ones; the bytes of tiled_weight), every step runs moe_grouped_gemm_sm90 on them: the
+    row layout's bits at 16 / 64 tokens (the decode shape) and 300 (the base shape, 64-row boxes), within bf16 rounding
+    of the decode GEMV at 1 and 3 tokens; a CUDA graph replay equals the eager run; a refused read is a clear error."""
+    from openinfer.backend.cuda.sm90_tiles import tiled_weight
+
+    moe_sm90 = sm90_moe
+    hidden, inter = 512, 192
+    monkeypatch.setenv(moe_sm90.TILED_ENV, "0")
+    moe, layer, rows, (shared_gate_up, shared_down), _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    monkeypatch.setenv(moe_sm90.TILED_ENV, "load")
+    held = moe.fuse_shared_experts(layer, shared_gate_up.weight, shared_down.weight)
+    assert (held.gate_up.layout, held.down.layout) == moe_sm90.TILED_LAYOUTS
+    assert held.gate_up.num_experts == rows.gate_up.num_experts and held.down.out_features == hidden
+    assert np.array_equal(held.gate_up.data.get().reshape(-1, 64), tiled_weight(rows.gate_up.data.get(), 128, True))
+    assert np.array_equal(held.down.data.get().reshape(-1, 64), tiled_weight(rows.down.data.get(), 128, False))
+    for tokens in (1, 3, 16, 64, 300):
+        x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+        monkeypatch.setenv(moe_sm90.TILED_ENV, "0")
+        plain = moe.moe_forward(cuda_backend, x, rows)
+        monkeypatch.setenv(moe_sm90.TILED_ENV, "load")
+        assert moe.sm90_routed(x, held.gate_up, _fused_grouping(moe, x, held))
+        eager, replay = _replayed(lambda x=x: moe.moe_forward(cuda_backend, x, held))
+        assert np.array_equal(replay, eager)
+        if tokens * 8 / held.gate_up.num_experts > moe_sm90.SM90_ABOVE_ROWS_PER_EXPERT:
+            assert np.array_equal(eager, plain.get())
+        else:
+            assert relative_error(cuda_backend.to_host(moe.moe_forward(cuda_backend, x, held)),
+                                  cuda_backend.to_host(plain)) < 2e-2
+    grouping = _fused_grouping(moe, x, held)
+    with pytest.raises(ValueError, match="tiled"):
+        moe.grouped_gemm(x, held.gate_up, grouping, gather=True, sm90=False)
+    with pytest.raises(ValueError, match="SiLU"):
+        moe_sm90.grouped_gemm_sm90(x, held.gate_up, grouping, True, fuse_silu=False)
+    assert not moe.shared_fusion_fits(dataclasses.replace(held, shared_experts=0), shared_gate_up.weight,
+                                      shared_down.weight)
 
 
 @pytest.mark.parametrize("tiled", ["0", "1"])

@@ -248,8 +248,35 @@ def b_first(slots_per_expert: float = 0.0) -> bool:
 # The copy is made at a launch's first eager call and kept beside the row layout (the decode GEMV at one token and
 # the prefill shapes read the rows); a launch being captured before its copy exists reads the rows. The same bits.
 TILED_ENV = "OPENINFER_MOE_SM90_TILED"
-DEFAULT_TILED = False
+DEFAULT_TILED = "0"
 TILED_BLOCK_ROWS = 128  # the layout's block: the decode shape's tile (one box a stage); other tiles read 64-row boxes
+# OPENINFER_MOE_SM90_TILED=load: the experts are held in the tiled layout only (``tile_for_sm90``, at load: the row
+# layout freed), so every launch reads them through moe_grouped_gemm_sm90 (one token included: the decode GEMV reads
+# rows) and no second copy lives. ExpertLinear.layout says which: the down projection's plain blocks, or gate_up's
+# (each block's gate rows, then its up rows: read only with SiLU·mul fused).
+TILED_LAYOUTS = ("sm90_tiled", "sm90_tiled_gate_up")
+
+
+def tiled_mode() -> str:
+    """$OPENINFER_MOE_SM90_TILED: "0" (off), "1" (decode launches read lazy tiled copies) or "load" (the experts held
+    tiled; decode launches of any other weight as "1"); unset: DEFAULT_TILED; another value: a clear error."""
+    value = os.environ.get(TILED_ENV, "").lower() or DEFAULT_TILED
+    value = {"false": "0", "off": "0", "true": "1", "on": "1"}.get(value, value)
+    if value not in ("0", "1", "load"):
+        raise ValueError(f"{TILED_ENV} must be 1, 0 or load, got {value!r}")
+    return value
+
+
+def tile_for_sm90(weight: ExpertLinear, fuse_silu: bool) -> ExpertLinear:
+    """``weight`` (bf16 experts, row layout) repacked into TILED_LAYOUTS (``tiled_weight``: ``[E, n-blocks · k-tiles ·
+    128, 64]``) where moe_grouped_gemm_sm90 can read it (``sm90_weight_ready``); otherwise ``weight`` itself. Takes a
+    second copy while it runs; the caller drops the first."""
+    if weight.layout != "rows" or not sm90_weight_ready(weight, fuse_silu):
+        return weight
+    wait_for_deferred_uploads()
+    tiled = tiled_weight(weight.data, TILED_BLOCK_ROWS, fuse_silu, xp=cupy)
+    return dataclasses.replace(weight, data=tiled.reshape(weight.num_experts, -1, SM90_TILE_K),
+                               layout=TILED_LAYOUTS[int(fuse_silu)])
 
 
 # OPENINFER_MOE_SM90_DOWN_SK (opt-in A/B; =1 on): decode-sized down projections (not gate_up, whose last wave the down
@@ -269,13 +296,9 @@ def down_stream_k(slots_per_expert: float) -> bool:
 
 
 def tiled_wanted(slots_per_expert: float) -> bool:
-    """$OPENINFER_MOE_SM90_TILED (1 / 0; unset: DEFAULT_TILED) for launches of at most
-    DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT slots per expert; another value: a clear error."""
-    value = os.environ.get(TILED_ENV, "").lower()
-    if value not in ("", "0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"{TILED_ENV} must be 1 or 0 (on / off), got {value!r}")
-    on = DEFAULT_TILED if value == "" else value in ("1", "true", "on")
-    return on and slots_per_expert <= DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT
+    """Whether a row-layout weight's launch of ``slots_per_expert`` reads a lazy tiled copy: ``tiled_mode`` 1 or load,
+    at most DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT slots per expert."""
+    return tiled_mode() != "0" and slots_per_expert <= DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT
 
 
 # the repacked copies: (weight address, shape, block rows, fused) -> (the source array, kept so its address stays its
@@ -337,12 +360,19 @@ def sm90_supported() -> bool:
 
 
 def sm90_ready(a: cupy.ndarray, weight: ExpertLinear, fuse_silu: bool = False) -> bool:
-    """moe_grouped_gemm_sm90's needs: an sm_90 GPU, bf16 weights of at most SM90_MAX_EXPERTS experts,
-    K % 8 == 0 (16-byte rows for cp.async and TMA), 16-byte aligned A rows and a contiguous, 16-byte
-    aligned weight (its tensor map), an even N
-    (fused: N = 2I with I even), row indices within int32, K >= 64 and E·N >= 128 (a whole TMA box)."""
+    """moe_grouped_gemm_sm90's needs: 16-byte aligned A rows and ``sm90_weight_ready``."""
+    return a.data.ptr % 16 == 0 and sm90_weight_ready(weight, fuse_silu)
+
+
+def sm90_weight_ready(weight: ExpertLinear, fuse_silu: bool = False) -> bool:
+    """The weight's part of moe_grouped_gemm_sm90's needs: an sm_90 GPU, bf16 weights of at most SM90_MAX_EXPERTS
+    experts, K % 8 == 0 (16-byte rows for cp.async and TMA), a contiguous, 16-byte aligned weight (its tensor map),
+    an even N (fused: N = 2I with I even), row indices within int32, K >= 64 and E·N >= 128 (a whole TMA box); held
+    in a tiled layout (``tile_for_sm90``): the one its projection reads (gate_up fused or not)."""
+    if weight.layout in TILED_LAYOUTS and (weight.layout == TILED_LAYOUTS[1]) != fuse_silu:
+        return False
     return (weight.format == "bf16" and weight.num_experts <= SM90_MAX_EXPERTS and weight.in_features % 8 == 0
-            and a.data.ptr % 16 == 0 and weight.data.data.ptr % 16 == 0 and weight.data.flags.c_contiguous
+            and weight.data.data.ptr % 16 == 0 and weight.data.flags.c_contiguous
             and weight.out_features % (4 if fuse_silu else 2) == 0
             and weight.num_experts * weight.out_features < 2**31 and sm90_supported()
             # the tensor map's box (64 x 128) inside the weight: toy shapes keep the other kernels
@@ -503,7 +533,13 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     if stages is not None:
         tiles = dataclasses.replace(tiles, stages=stages)
     per_expert = num_slots / weight.num_experts
-    if (not tiles.tiled_weights and not multicast and tiles.k_sub == 1 and tiled_wanted(per_expert)
+    held_tiled = weight.layout in TILED_LAYOUTS
+    if held_tiled:
+        if (weight.layout == TILED_LAYOUTS[1]) != fuse_silu or multicast or tiles.k_sub != 1:
+            raise ValueError(f"moe_sm90: a weight held {weight.layout} is read {'with' if fuse_silu else 'without'} "
+                             f"SiLU·mul by a single-CTA shape of 64-wide k stages; got {tiles}, multicast {multicast}")
+        tiles = dataclasses.replace(tiles, tiled_weights=True)
+    elif (not tiles.tiled_weights and not multicast and tiles.k_sub == 1 and tiled_wanted(per_expert)
             and l2_ahead(per_expert) == 0):
         tiles = dataclasses.replace(tiles, tiled_weights=True)
     if not fuse_silu and not multicast and not tiles.stream_k and down_stream_k(per_expert):
@@ -517,7 +553,10 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     if shared > SM90_MAX_SHARED_BYTES:
         raise ValueError(f"moe_sm90 tiles {tiles} need {shared} bytes of shared memory (at most {SM90_MAX_SHARED_BYTES})")
     # the tiled copy (a dry run records the tiled build and copies nothing: its launch does nothing)
-    tiled = tiled_copy(weight, fuse_silu) if tiles.tiled_weights and not discovering() else None
+    if held_tiled:
+        tiled = weight.data.reshape(-1, SM90_TILE_K)
+    else:
+        tiled = tiled_copy(weight, fuse_silu) if tiles.tiled_weights and not discovering() else None
     if tiles.tiled_weights and tiled is None and not discovering():  # first met inside a graph capture: the rows
         tiles = dataclasses.replace(tiles, tiled_weights=False)
     wait_first = after_grouping and not multicast and gate_up_pdl()
@@ -545,6 +584,9 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
 
 def sm90_experts(a: cupy.ndarray, weight: ExpertLinear, num_slots: int, fuse_silu: bool = False) -> bool:
     """Whether a grouped GEMM of ``num_slots`` slots takes moe_grouped_gemm_sm90: switched on
-    (``sm90_enabled``), ``sm90_ready`` and more than ``sm90_above_rows_per_expert`` slots per expert."""
+    (``sm90_enabled``), ``sm90_ready`` and more than ``sm90_above_rows_per_expert`` slots per expert; a weight held
+    in a tiled layout wherever ``sm90_ready``."""
+    if weight.layout in TILED_LAYOUTS:  # nothing else reads it (moe.grouped_gemm refuses it)
+        return sm90_ready(a, weight, fuse_silu)
     return (sm90_enabled() and num_slots > sm90_above_rows_per_expert() * weight.num_experts
             and sm90_ready(a, weight, fuse_silu))
