@@ -147,7 +147,8 @@ def _sm90_problem(cuda_backend, moe, rng, kind: str):
 
 SM90_CASES = [(shape, "ragged") for shape in ("base", "skip", "m64_s5", "m64_n128_s8", "n128_s6", "sk", "n128_s6_sk",
                                               "m64_n128_k2", "m64_n128_k3", "m64_n128_k4", "m64_n128_k2_x2",
-                                              "m64_n128_s4_x2", "m64_n128_s4_x2_tw", "base_tw", "m64_n128_s4_x2_sk_tw")]
+                                              "m64_n128_s4_x2", "m64_n128_s4_x2_tw", "base_tw", "m64_n128_s4_x2_sk_tw",
+                                              "m64_n128_s4_x2_kr", "m64_n128_s4_x2_tw_kr")]
 SM90_CASES += [(shape, "many_units") for shape in ("sk", "m64_s5_sk", "n128_s6_sk", "m64_n128_k2_sk",
                                                    "m64_n128_s4_x2_sk", "m64_n128_s4_x2_sk_tw", "m64_n128_s4_x2_tw")]
 
@@ -188,7 +189,7 @@ def test_sm90_shapes_match_numpy(cuda_backend, cuda_moe, sm90_moe, rng, shape, k
     _, replay = _replayed(lambda: gemm(gemm(x, gate_up, True, fuse_silu=True), down, False))
     assert np.array_equal(replay, y.get())
     if tiles.stream_k:  # every flag awaited was set back to zero: the next launch (or replay) waits for its own parts
-        assert moe_sm90._flag_buffers and all(not flags.any() for flags in moe_sm90._flag_buffers.values())
+        assert moe_sm90._workspaces and all(not flags.any() for flags, _ in moe_sm90._workspaces.values())
 
 
 def test_sm90_shape_switch(sm90_moe, monkeypatch):
@@ -349,23 +350,37 @@ def test_sm90_tiled_at_load(cuda_backend, sm90_moe, rng, monkeypatch):
                                       shared_down.weight)
 
 
-@pytest.mark.parametrize("tiled", ["0", "1"])
+# switches that change moe_forward's fp32 sum order (not its bits): name -> env
+ROUNDING_SWITCHES = {
+    # decode-sized down projections on stream-K, PDL-launched beside gate_up (its own workspace: no pool block gate_up
+    # still writes), shapes forced to stream-K for gate_up too, on the rows and the tiled copies
+    "down_sk": {"OPENINFER_MOE_SM90_DOWN_SK": "1"},
+    "down_sk_tiled": {"OPENINFER_MOE_SM90_DOWN_SK": "1", "OPENINFER_MOE_SM90_TILED": "1"},
+    "shape_sk": {"OPENINFER_MOE_SM90_SHAPE": "m64_n128_s4_x2_sk"},
+    # each unit's k-tiles from k-tile unit % k_tiles on
+    "k_rotate": {"OPENINFER_MOE_SM90_K_ROTATE": "1"},
+    "k_rotate_tiled": {"OPENINFER_MOE_SM90_K_ROTATE": "1", "OPENINFER_MOE_SM90_TILED": "1"},
+}
+
+
 @pytest.mark.parametrize("tokens", [16, 64])
-def test_sm90_down_stream_k_within_rounding(cuda_backend, sm90_moe, rng, monkeypatch, tiled, tokens):
-    """OPENINFER_MOE_SM90_DOWN_SK=1 (decode-sized down projections on the stream-K build, PDL-launched after gate_up):
-    moe_forward within fp32-sum rounding of the whole-unit run, on the row and the tiled layout; deterministic (the
-    eager run's bits replayed from a CUDA graph)."""
+@pytest.mark.parametrize("name", list(ROUNDING_SWITCHES))
+def test_switches_within_rounding(cuda_backend, sm90_moe, rng, monkeypatch, name, tokens):
+    """Each ROUNDING_SWITCHES set: moe_forward of a Moonlight-like layer (Moonlight's gate_up / down widths over 64
+    experts, 2 shared experts fused: several waves of units, gate_up PDL-overlapped by down) within fp32-sum rounding
+    of the default run and of NumPy; deterministic (the eager run's bits replayed from a CUDA graph)."""
     hidden, inter = 512, 704  # 704: eleven 64-row gate / up tiles, several waves of down units
-    moe, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
-    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
-    monkeypatch.setenv(sm90_moe.TILED_ENV, tiled)
+    moe, layer, fused, _, host = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    x_host = bf16_random(rng, tokens, hidden)
+    x = cuda_backend.upload(x_host)
     plain = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, fused))
-    monkeypatch.setenv(sm90_moe.DOWN_SK_ENV, "1")
-    assert sm90_moe.down_stream_k(tokens * 8 / fused.gate_up.num_experts)
+    for key, value in ROUNDING_SWITCHES[name].items():
+        monkeypatch.setenv(key, value)
     eager, replay = _replayed(lambda: moe.moe_forward(cuda_backend, x, fused))
     assert np.array_equal(replay, eager)
     switched = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, fused))
     assert relative_error(switched, plain) < 1e-2
+    assert relative_error(switched, _moe_reference(x_host, layer.router, host)) < 2e-2
 
 
 # (module, env, a bad value, the function that reads it) -> ValueError naming the env
@@ -378,6 +393,7 @@ BAD_SWITCH_VALUES = [
     ("moe_sm90", "TILED_ENV", "sometimes", lambda m: m.tiled_wanted(1.0)),
     ("moe_sm90", "SM90_ABOVE_ENV", "-1", lambda m: m.sm90_above_rows_per_expert()),
     ("moe_sm90", "DOWN_SK_ENV", "sometimes", lambda m: m.down_stream_k(1.0)),
+    ("moe_sm90", "K_ROTATE_ENV", "sometimes", lambda m: m.k_rotate_wanted()),
     ("moe", "COMBINE_PDL_ENV", "sometimes", lambda m: m.combine_pdl_wanted()),
     ("moe", "COMBINE_VEC_ENV", "sometimes", lambda m: m.combine_vec_wanted(16)),
     ("moe", "COMBINE_NORM_ENV", "sometimes", lambda m: m.combine_norm_wanted(16)),

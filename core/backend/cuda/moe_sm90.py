@@ -104,6 +104,7 @@ class Sm90Shape:
     k_sub: int = 1
     ctas_per_sm: int = 1  # persistent CTAs per SM (sm90_grid): 2 run two producers' rings side by side
     tiled_weights: bool = False  # SM90_TILED_B: the weight repacked so each unit's k-tiles are one run (tiled_weight)
+    k_rotate: bool = False  # SM90_K_ROTATE: unit u reads its k-tiles from u % k_tiles on (K_ROTATE_ENV)
 
     @property
     def threads(self) -> int:
@@ -156,6 +157,10 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
                                       tiled_weights=True),
     # the prefill shape on the same copy (256-row tiles: four 64-row boxes a stage, fused; two of 128 rows' halves)
     "base_tw": Sm90Shape(tiled_weights=True),
+    # the decode shape with each unit's k-tiles rotated (SM90_K_ROTATE), on the rows and on the tiled copy
+    "m64_n128_s4_x2_kr": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, k_rotate=True),
+    "m64_n128_s4_x2_tw_kr": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, tiled_weights=True,
+                                      k_rotate=True),
 }
 # The shape by slots per expert (the first entry whose bound holds). Default since E1 (H200, 2026-11-24,
 # benchmarks/results/moe_grouped_experts_e1_h200.json; OPENINFER_MOE_SM90_SHAPE=base reverts): up to 24 slots
@@ -284,6 +289,20 @@ def tile_for_sm90(weight: ExpertLinear, fuse_silu: bool) -> ExpertLinear:
 # last of ~3.2 waves of whole units (Moonlight at 16 tokens: 832 units over 264 CTAs) leaves no SMs idle before
 # moe_combine. Sums cut units through the fp32 workspace: not the whole-unit bits (within fp32 rounding).
 DOWN_SK_ENV = "OPENINFER_MOE_SM90_DOWN_SK"
+
+
+# OPENINFER_MOE_SM90_K_ROTATE (opt-in A/B; =1 on): launches of whole units (no stream-K, no L2 look-ahead) read each
+# unit's k-tiles from k-tile unit % k_tiles on (moe_sm90.cu SM90_K_ROTATE), so the CTAs streaming at once read different
+# 128-byte columns of their rows. Each output's fp32 sum in another k order: not the default's bits.
+K_ROTATE_ENV = "OPENINFER_MOE_SM90_K_ROTATE"
+
+
+def k_rotate_wanted() -> bool:
+    """$OPENINFER_MOE_SM90_K_ROTATE (1 / 0, unset: off; another value: a clear error)."""
+    value = os.environ.get(K_ROTATE_ENV, "").lower()
+    if value not in ("", "0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{K_ROTATE_ENV} must be 1 or 0 (on / off), got {value!r}")
+    return value in ("1", "true", "on")
 
 
 def down_stream_k(slots_per_expert: float) -> bool:
@@ -445,22 +464,26 @@ def sm90_grid(num_slots: int, weight: ExpertLinear, fuse_silu: bool, multicast: 
     return cluster * max(1, min(_device_traits(cupy.cuda.Device().id)[1] * shape.ctas_per_sm // cluster, units))
 
 
-_flag_buffers: dict[tuple[int, int, bool, bool], cupy.ndarray] = {}
+_workspaces: dict[tuple[int, int, bool, bool], tuple[cupy.ndarray, cupy.ndarray]] = {}
 
 
-def _stream_k_flags(fuse_silu: bool, gather: bool) -> cupy.ndarray | None:
-    """The stream-K flags of launches like this one (device, stream, projection): zeros, and left zeros by
-    every launch (moe_sm90.cu), so no memset sits between gate_up and down (which PDL overlaps). None
-    while a graph is being captured and the buffer does not exist yet (it cannot be zeroed then)."""
+def _stream_k_workspace(fuse_silu: bool, gather: bool, partial_floats: int) -> tuple[cupy.ndarray, cupy.ndarray] | None:
+    """The stream-K flags and fp32 partials of launches like this one (device, stream, projection), kept across
+    launches. The flags are zeros, and left zeros by every launch (moe_sm90.cu), so no memset sits between gate_up and
+    down; the partials are the launch's own while it runs, never a pool block the launch before (which PDL lets
+    run beside it: gate_up before down) may still write. None while a graph is being captured and no big enough
+    workspace exists (the flags cannot be zeroed then)."""
     stream = cupy.cuda.get_current_stream()
     key = (cupy.cuda.Device().id, stream.ptr, fuse_silu, gather)
-    if key not in _flag_buffers:
+    found = _workspaces.get(key)
+    if found is None or found[1].size < partial_floats:
         if stream.is_capturing():
             return None
         # a flag per CTA of the largest grid: SMs x the most CTAs per SM of any shape
         most = max(shape.ctas_per_sm for shape in SM90_SHAPES.values())
-        _flag_buffers[key] = cupy.zeros(_device_traits(key[0])[1] * most, dtype=cupy.int32)
-    return _flag_buffers[key]
+        flags = found[0] if found is not None else cupy.zeros(_device_traits(key[0])[1] * most, dtype=cupy.int32)
+        found = _workspaces[key] = (flags, cupy.empty(partial_floats, dtype=cupy.float32))
+    return found
 
 
 # The launches inside ``rotated_units(S)`` take the last S experts' units first (moe_sm90.cu SM90_ROTATE; the same
@@ -507,6 +530,10 @@ def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl:
         if multicast or tiles.k_sub != 1 or ahead:
             raise ValueError("moe_sm90's tiled-weight build runs single CTAs on 64-wide k stages, no L2 look-ahead")
         extra["SM90_TILED_B"] = TILED_BLOCK_ROWS
+    if tiles.k_rotate:
+        if multicast or tiles.stream_k or ahead:
+            raise ValueError("moe_sm90's rotated-k build runs single CTAs over whole units, no L2 look-ahead")
+        extra["SM90_K_ROTATE"] = 1
     return arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", tiles.shared_bytes(), SM90_STAGES=tiles.stages,
                        SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast), **extra)
 
@@ -544,6 +571,8 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
         tiles = dataclasses.replace(tiles, tiled_weights=True)
     if not fuse_silu and not multicast and not tiles.stream_k and down_stream_k(per_expert):
         tiles = dataclasses.replace(tiles, stream_k=True)
+    if not multicast and not tiles.stream_k and not tiles.k_rotate and k_rotate_wanted() and l2_ahead(per_expert) == 0:
+        tiles = dataclasses.replace(tiles, k_rotate=True)
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
     out = cupy.empty((num_slots, out_features), dtype=cupy.uint16)
     if num_slots == 0:
@@ -561,7 +590,7 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
         tiles = dataclasses.replace(tiles, tiled_weights=False)
     wait_first = after_grouping and not multicast and gate_up_pdl()
     pdl = 2 if wait_first else int(sm90_pdl() and not multicast)
-    ahead = l2_ahead(per_expert) if not (multicast or tiles.stream_k or tiles.tiled_weights) else 0
+    ahead = l2_ahead(per_expert) if not (multicast or tiles.stream_k or tiles.tiled_weights or tiles.k_rotate) else 0
     fn = sm90_kernel(tiles, fuse_silu, multicast, pdl, _rotate_units if _rotate_units < weight.num_experts else 0,
                      ahead, b_first(per_expert))
     grid = sm90_grid(num_slots, weight, fuse_silu, multicast, tiles)
@@ -571,10 +600,13 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
             grouping.offsets, np.int32(weight.num_experts), out, np.int32(weight.out_features),
             np.int32(weight.in_features))
     if tiles.stream_k:  # each CTA's part of a unit cut at its start (fp32, fragment order), and its flag
-        flags = _stream_k_flags(fuse_silu, gather)
-        if flags is None:  # first met inside a graph capture: zeros of its own (a memset node before the kernel)
-            flags, overlap_previous = cupy.zeros(grid, dtype=cupy.int32), False
-        args += (cupy.empty(grid * tiles.tile_m * tiles.tile_n, dtype=cupy.float32), flags)
+        partial_floats = grid * tiles.tile_m * tiles.tile_n
+        workspace = _stream_k_workspace(fuse_silu, gather, partial_floats)
+        if workspace is None:  # first met inside a graph capture: its own (a memset node before it; not overlapped)
+            workspace = (cupy.zeros(grid, dtype=cupy.int32), cupy.empty(partial_floats, dtype=cupy.float32))
+            overlap_previous = False
+        flags, partials = workspace
+        args += (partials, flags)
     if (pdl == 1 and overlap_previous) or pdl == 2:
         launch_overlapping_previous(fn, grid, tiles.threads, args, shared)
     else:
