@@ -171,6 +171,9 @@ __device__ __forceinline__ int sm90_expert_at(int j, int num_experts) {
 #ifndef SM90_TILED_B
 #define SM90_TILED_B 0
 #endif
+#ifndef SM90_TILED_BOX64
+#define SM90_TILED_BOX64 0  // 1: 64-row boxes even where the tile is one block (two TMA copies a stage, as the rows take)
+#endif
 #if SM90_TILED_B && ((SM90_TILED_B != 128 && SM90_TILED_B != 256) || SM90_MULTICAST || SM90_K_SUB != 1 || SM90_L2_AHEAD)
 #error "SM90_TILED_B is 128 or 256 block rows, built for single CTAs with 64-wide k stages and no L2 look-ahead"
 #endif
@@ -236,7 +239,7 @@ __device__ __forceinline__ void load_tiled_weights(u32 b_smem, const TensorMap* 
     constexpr int half = SM90_TILED_B;
 #endif
     const int blocks = (out_features + half - 1) / half;  // n-blocks per expert
-#if SM90_TILED_B == SM90_TILE_N  // the tile is one block: one box
+#if SM90_TILED_B == SM90_TILE_N && !SM90_TILED_BOX64  // the tile is one block: one box
     tma_load_3d(b_smem, map, 0, 0, ((w.expert * blocks + w.column / half) * k_tiles + kt) * SM90_TILED_B, full);
 #else  // 64-row pieces of the blocks the tile covers
 #pragma unroll

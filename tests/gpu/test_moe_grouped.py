@@ -148,7 +148,7 @@ def _sm90_problem(cuda_backend, moe, rng, kind: str):
 SM90_CASES = [(shape, "ragged") for shape in ("base", "skip", "m64_s5", "m64_n128_s8", "n128_s6", "sk", "n128_s6_sk",
                                               "m64_n128_k2", "m64_n128_k3", "m64_n128_k4", "m64_n128_k2_x2",
                                               "m64_n128_s4_x2", "m64_n128_s4_x2_tw", "base_tw", "m64_n128_s4_x2_sk_tw",
-                                              "m64_n128_s4_x2_kr", "m64_n128_s4_x2_tw_kr")]
+                                              "m64_n128_s4_x2_kr", "m64_n128_s4_x2_tw_kr", "m64_n128_s4_x2_tw64")]
 SM90_CASES += [(shape, "many_units") for shape in ("sk", "m64_s5_sk", "n128_s6_sk", "m64_n128_k2_sk",
                                                    "m64_n128_s4_x2_sk", "m64_n128_s4_x2_sk_tw", "m64_n128_s4_x2_tw")]
 

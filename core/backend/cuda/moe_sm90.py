@@ -105,6 +105,7 @@ class Sm90Shape:
     ctas_per_sm: int = 1  # persistent CTAs per SM (sm90_grid): 2 run two producers' rings side by side
     tiled_weights: bool = False  # SM90_TILED_B: the weight repacked so each unit's k-tiles are one run (tiled_weight)
     k_rotate: bool = False  # SM90_K_ROTATE: unit u reads its k-tiles from u % k_tiles on (K_ROTATE_ENV)
+    tiled_box64: bool = False  # SM90_TILED_BOX64: the tiled copy read in 64-row boxes (two a stage) where one would do
 
     @property
     def threads(self) -> int:
@@ -161,6 +162,9 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
     "m64_n128_s4_x2_kr": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, k_rotate=True),
     "m64_n128_s4_x2_tw_kr": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, tiled_weights=True,
                                       k_rotate=True),
+    # the tiled copy in two 64-row boxes a stage (D1: one 16 KB box a stage read 3-4 % slower than the rows' two)
+    "m64_n128_s4_x2_tw64": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, tiled_weights=True,
+                                     tiled_box64=True),
 }
 # The shape by slots per expert (the first entry whose bound holds). Default since E1 (H200, 2026-11-24,
 # benchmarks/results/moe_grouped_experts_e1_h200.json; OPENINFER_MOE_SM90_SHAPE=base reverts): up to 24 slots
@@ -421,12 +425,13 @@ def weight_box_layout(weight: ExpertLinear, box_rows: int = SM90_BOX_ROWS) -> Pa
     return PageBoxLayout(dims=(k, 1, rows), strides=(2 * k, 2 * k), box=(SM90_TILE_K, 1, box_rows))
 
 
-def tiled_box_layout(tiled: cupy.ndarray, tile_n: int, block_rows: int = TILED_BLOCK_ROWS) -> PageBoxLayout:
+def tiled_box_layout(tiled: cupy.ndarray, tiles: Sm90Shape, block_rows: int = TILED_BLOCK_ROWS) -> PageBoxLayout:
     """The tensor-map layout of a ``tiled_weight`` copy: rows of 64 elements, boxes of one block (a tile as wide as
-    the block) or 64 rows (moe_sm90.cu load_tiled_weights)."""
+    the block) or 64 rows (other tiles, or ``tiled_box64``: moe_sm90.cu load_tiled_weights)."""
     rows = int(tiled.shape[0])
+    one_box = tiles.tile_n == block_rows and not tiles.tiled_box64
     return PageBoxLayout(dims=(SM90_TILE_K, 1, rows), strides=(2 * SM90_TILE_K, 2 * SM90_TILE_K),
-                         box=(SM90_TILE_K, 1, block_rows if tile_n == block_rows else 64))
+                         box=(SM90_TILE_K, 1, block_rows if one_box else 64))
 
 
 class WeightMaps:
@@ -530,6 +535,8 @@ def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl:
         if multicast or tiles.k_sub != 1 or ahead:
             raise ValueError("moe_sm90's tiled-weight build runs single CTAs on 64-wide k stages, no L2 look-ahead")
         extra["SM90_TILED_B"] = TILED_BLOCK_ROWS
+        if tiles.tiled_box64:
+            extra["SM90_TILED_BOX64"] = 1
     if tiles.k_rotate:
         if multicast or tiles.stream_k or ahead:
             raise ValueError("moe_sm90's rotated-k build runs single CTAs over whole units, no L2 look-ahead")
@@ -595,7 +602,7 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
                      ahead, b_first(per_expert))
     grid = sm90_grid(num_slots, weight, fuse_silu, multicast, tiles)
     weight_map = (weight_maps.get(weight, tiles.tile_n // 2) if tiled is None
-                  else weight_maps.of(tiled.data.ptr, tiled_box_layout(tiled, tiles.tile_n)))
+                  else weight_maps.of(tiled.data.ptr, tiled_box_layout(tiled, tiles)))
     args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k), weight_map,
             grouping.offsets, np.int32(weight.num_experts), out, np.int32(weight.out_features),
             np.int32(weight.in_features))
