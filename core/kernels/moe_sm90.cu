@@ -171,9 +171,33 @@ __device__ __forceinline__ int sm90_expert_at(int j, int num_experts) {
 #ifndef SM90_TILED_B
 #define SM90_TILED_B 0
 #endif
+#ifndef SM90_TILED_BOX64
+#define SM90_TILED_BOX64 0  // 1: 64-row boxes even where the tile is one block (two TMA copies a stage, as the rows take)
+#endif
 #if SM90_TILED_B && ((SM90_TILED_B != 128 && SM90_TILED_B != 256) || SM90_MULTICAST || SM90_K_SUB != 1 || SM90_L2_AHEAD)
 #error "SM90_TILED_B is 128 or 256 block rows, built for single CTAs with 64-wide k stages and no L2 look-ahead"
 #endif
+
+// SM90_K_ROTATE=1 (OPENINFER_MOE_SM90_K_ROTATE): work unit u reads its k-tiles from k-tile u % k_tiles on, wrapping
+// around, instead of all from 0: the CTAs streaming at once (consecutive units) then read different 128-byte columns
+// of their weight rows, not the same column of every row (all their addresses alike in the low 12 bits: HBM channel
+// and bank hashing sees less spread). Whole units only; each unit's sum then runs in another k order (fp32 rounding).
+#ifndef SM90_K_ROTATE
+#define SM90_K_ROTATE 0
+#endif
+#if SM90_K_ROTATE && (SM90_STREAM_K || SM90_L2_AHEAD || SM90_MULTICAST)
+#error "SM90_K_ROTATE is built for single CTAs over whole units, no L2 look-ahead"
+#endif
+// The k-tile a unit reads j-th.
+__device__ __forceinline__ int sm90_k_tile(int j, int unit, int k_tiles) {
+#if SM90_K_ROTATE
+    const int kt = j + unit % k_tiles;
+    return kt < k_tiles ? kt : kt - k_tiles;
+#else
+    (void)unit, (void)k_tiles;
+    return j;
+#endif
+}
 
 __device__ __forceinline__ void tma_prefetch_l2_3d(const void* map, int x, int y, int z) {
     asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n"
@@ -215,7 +239,7 @@ __device__ __forceinline__ void load_tiled_weights(u32 b_smem, const TensorMap* 
     constexpr int half = SM90_TILED_B;
 #endif
     const int blocks = (out_features + half - 1) / half;  // n-blocks per expert
-#if SM90_TILED_B == SM90_TILE_N  // the tile is one block: one box
+#if SM90_TILED_B == SM90_TILE_N && !SM90_TILED_BOX64  // the tile is one block: one box
     tma_load_3d(b_smem, map, 0, 0, ((w.expert * blocks + w.column / half) * k_tiles + kt) * SM90_TILED_B, full);
 #else  // 64-row pieces of the blocks the tile covers
 #pragma unroll
@@ -366,7 +390,7 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
             prefetched = min(k_end - k_begin, SM90_STAGES);
             if (t == 0)
                 for (int s = 0; s < prefetched; ++s) {  // stages 0 .. prefetched - 1: free at the start
-                    const int kt = k_begin + s;
+                    const int kt = sm90_k_tile(k_begin + s, unit, k_tiles);
                     const u32 b_smem = base + s * SM90_STAGE_BYTES + SM90_A_BYTES, full = bar_full + 8 * s;
                     mbar_arrive_expect_bytes(full, SM90_B_BYTES);
 #if SM90_TILED_B
@@ -398,7 +422,8 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
 #else
             const int second_row = first_row + SM90_BOX_ROWS;
 #endif
-            for (int kt = k_begin; kt < k_end; ++kt, ++step) {
+            for (int kj = k_begin; kj < k_end; ++kj, ++step) {
+                const int kt = sm90_k_tile(kj, unit, k_tiles);
                 const int stage = step % SM90_STAGES;
                 if (step >= SM90_STAGES) mbar_wait(bar_empty + 8 * stage, ((step / SM90_STAGES) - 1) & 1);
                 const u32 a_smem = base + stage * SM90_STAGE_BYTES, b_smem = a_smem + SM90_A_BYTES;
