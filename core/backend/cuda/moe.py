@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from openinfer.backend.cuda.linear import launch_decode
+from openinfer.backend.cuda.linear import decode_pdl, launch_decode
 from openinfer.backend.cuda.loader import kernel
 from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing names, re-exported for moe.X callers
     CHUNK_SCAN_ENTRIES,
@@ -123,7 +123,15 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     router_mma_wanted,
     select_experts,
 )
-from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, rotated_units, sm90_experts, sm90_pdl
+from openinfer.backend.cuda.moe_sm90 import (
+    TILED_LAYOUTS,
+    grouped_gemm_sm90,
+    rotated_units,
+    sm90_experts,
+    sm90_pdl,
+    tile_for_sm90,
+    tiled_mode,
+)
 from openinfer.backend.cuda.pdl_launch import launch
 from openinfer.moe import RouterSpec
 from openinfer.quant import int4_tiling_fits, tile_int4
@@ -266,6 +274,33 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # for a few slots per expert): 244 / 365 instructions per KB, 102 / 128 registers
     "groups_s8_p2": {"GROUPS_STAGES": 8, "GROUPS_PAIRS": 2},
     "groups_s8_p4": {"GROUPS_STAGES": 8, "GROUPS_PAIRS": 4},
+    # the chunk ring in shared memory filled by TMA bulk copies (GROUPS_BULK stages per warp, lane 0 issues a chunk's
+    # 2-4 cp.async.bulk onto the stage's mbarrier): the bytes in flight bounded by neither registers nor the L1's
+    # miss slots, no per-lane copy instructions. sm_90a ptxas: 64-78 registers, 31-41 KB per block, no spills.
+    # _k2: K split over the 2 warps sharing a row block (twice the warps; 8 blocks an SM). Opt-in until measured
+    "groups_bulk4": {"GROUPS_BULK": 4, "GROUPS_ROTATE": 0},
+    "groups_bulk8": {"GROUPS_BULK": 8, "GROUPS_ROTATE": 0},
+    "groups_bulk8_rot": {"GROUPS_BULK": 8},
+    "groups_bulk4_k2": {"GROUPS_BULK": 4, "GROUPS_KSPLIT": 2, "GROUPS_MIN_BLOCKS": 8},
+    "groups_bulk6_k2": {"GROUPS_BULK": 6, "GROUPS_KSPLIT": 2, "GROUPS_MIN_BLOCKS": 6},
+    # the pass's activations staged by the block in shared memory as the mma's B registers beside each group's sum
+    # (GROUPS_XSMEM 2 / 1: two / one token rows a pass; no byte permutes in the loop, one -136 mma a chunk instead of
+    # eight: 9 mma per KB instead of 16); register ring. sm_90a ptxas: 118-127 registers (4 blocks per SM), no spills;
+    # dynamic shared memory (4 rows K / 128 + 1) x 80 bytes (Kimi-K2 gate_up 35.9 / 18.0 KB). Opt-in until measured
+    "groups_xs": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0},
+    "groups_xs_d2": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_DEPTH": 2},
+    # ... one token row a pass (a batch-1 step's tiles: half the shared memory) with the bulk ring (62-76 registers:
+    # more blocks an SM), and K split over 2 warps (twice the warps at one token)
+    "groups_xs1": {"GROUPS_XSMEM": 1, "GROUPS_ROTATE": 0},
+    "groups_xs1_bulk4": {"GROUPS_XSMEM": 1, "GROUPS_BULK": 4, "GROUPS_ROTATE": 0},
+    "groups_xs1_bulk6": {"GROUPS_XSMEM": 1, "GROUPS_BULK": 6, "GROUPS_ROTATE": 0},
+    "groups_xs1_bulk4_k2": {"GROUPS_XSMEM": 1, "GROUPS_BULK": 4, "GROUPS_KSPLIT": 2, "GROUPS_ROTATE": 0,
+                            "GROUPS_MIN_BLOCKS": 6},
+    # measuring only, wrong results (moe_int4.cu GROUPS_PROBE): the default's memory stream without the arithmetic,
+    # its arithmetic on cache-resident chunks; the bulk ring's memory stream
+    "probe_memory": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0, "GROUPS_PROBE": 1},
+    "probe_arith": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0, "GROUPS_PROBE": 2},
+    "probe_bulk_memory": {"GROUPS_BULK": 8, "GROUPS_ROTATE": 0, "GROUPS_PROBE": 1},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
@@ -290,6 +325,9 @@ TILED_GEMV = "tiled1_nc_rot"
 # mma in two accumulator chains) 2,629.5 -> 2,582.7 us (gate_up 1,531.5 -> 1,512.0, down 834.4 -> 815.3); at one token
 # groups_norot_acc2 was not faster (gate_up 43.5 -> 44.7 us), so the first entry stays.
 LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_norot"), (3, "groups_acc2"))
+# What lane-groups INT4 weights run in a grouped step of one token (every expert tile one row: a batch-1 decode step),
+# ahead of LANE_GROUPS_CHOICE; None: the table's.
+LANE_GROUPS_ONE_TOKEN: str | None = None
 # OPENINFER_INT4_ROW_BLOCKS (moe_int4.cu GROUPS_ROW_BLOCKS): each block of moe_gemv_int4_groups takes R column
 # blocks in turn (blockIdx.x, + gridDim.x, ...), the grid R times narrower. "auto": for decode-sized grids (at most
 # ROW_BLOCKS_MAX_TILES tile rows) that exceed one wave of resident blocks by a quarter or more, R = the waves
@@ -303,6 +341,39 @@ DEFAULT_INT4_ROW_BLOCKS = "1"
 @functools.cache
 def _sm_count(device: int) -> int:
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+GROUPS_XSMEM_RECORD, GROUPS_BULK_STAGE = 80, 1280  # moe_int4.cu: a staged (chunk, group, token) record; a bulk stage
+SHARED_BYTES_DEFAULT, SHARED_BYTES_MOST = 48 * 1024, 227 * 1024  # a block's shared memory without / with the opt-in
+
+
+def groups_shared_bytes(defines: dict[str, int], in_features: int) -> tuple[int, int]:
+    """(static, dynamic) shared memory of moe_gemv_int4_groups built with ``defines`` over K = ``in_features``: the
+    bulk ring's stages and barriers, the split's partial sums; GROUPS_XSMEM's staged activations (two token rows'
+    records, or one row's, and a zero record). More than an SM holds: a clear error."""
+    warps, stages, ksplit = MMA_GEMV_WARPS, defines.get("GROUPS_BULK", 0), defines.get("GROUPS_KSPLIT", 1)
+    static = (warps * stages * (GROUPS_BULK_STAGE + 8) + (warps * defines.get("GROUPS_PAIRS", 1) * 4 * 32 * 4
+                                                            if ksplit > 1 else 0))
+    rows = defines.get("GROUPS_XSMEM", 0)  # token rows a staged pass (0: none staged)
+    dynamic = (4 * rows * (in_features // 128) + 1) * GROUPS_XSMEM_RECORD if rows else 0
+    if static + dynamic > SHARED_BYTES_MOST:
+        raise ValueError(f"moe_gemv_int4_groups {defines} over K = {in_features} needs {static + dynamic} bytes of "
+                         f"shared memory, more than {SHARED_BYTES_MOST}; use another lane-groups GEMV")
+    return static, dynamic
+
+
+def _launch_groups(grid: tuple[int, int], args: tuple, defines: dict[str, int], in_features: int,
+                   pdl_mode: int = 1) -> None:
+    """moe_int4.cu's moe_gemv_int4_groups over ``grid`` (launch_decode), its dynamic shared memory sized (and allowed
+    past 48 KB where the static and dynamic together need it)."""
+    static, dynamic = groups_shared_bytes(defines, in_features)
+    if static + dynamic > SHARED_BYTES_DEFAULT:
+        built = kernel("moe_int4.cu", "moe_gemv_int4_groups", **defines, **({"DECODE_PDL": pdl_mode} if decode_pdl()
+                                                                              else {}))
+        if built.max_dynamic_shared_size_bytes < dynamic:
+            built.max_dynamic_shared_size_bytes = dynamic
+    launch_decode("moe_int4.cu", "moe_gemv_int4_groups", grid, (MMA_GEMV_WARPS * 32,), args, dynamic,
+                  pdl_mode=pdl_mode, **defines)
 
 
 def int4_row_blocks(column_blocks: int, tile_rows: int, min_blocks: int, value: str | None = None) -> int:
@@ -560,15 +631,18 @@ def gemv_for(rows_per_weight: float, grouped: bool, weight_format: str, gemv_ker
 
 
 def layout_gemv(weight: ExpertLinear, name: str | None, gemv_kernel: str | None = None,
-                rows_per_weight: float = 0.0) -> str | None:
+                rows_per_weight: float = 0.0, one_token: bool = False) -> str | None:
     """The decode GEMV for ``weight`` where the tables chose ``name``: TILED_GEMV for tiled INT4
-    weights, LANE_GROUPS_CHOICE's by ``rows_per_weight`` for lane-groups ones (past it ``name``), unless
-    a kernel is forced (``forced_gemv_kernel``); else ``name``."""
+    weights, LANE_GROUPS_ONE_TOKEN in a grouped step of ``one_token``, else LANE_GROUPS_CHOICE's by
+    ``rows_per_weight`` for lane-groups ones (past it ``name``), unless a kernel is forced
+    (``forced_gemv_kernel``); else ``name``."""
     if name is None or forced_gemv_kernel(gemv_kernel) is not None:
         return name
     if weight.layout == "tiled":
         return TILED_GEMV
     if weight.layout == "lane_groups":
+        if one_token and LANE_GROUPS_ONE_TOKEN is not None:
+            return LANE_GROUPS_ONE_TOKEN
         return next((kernel for most, kernel in LANE_GROUPS_CHOICE if rows_per_weight <= most), name)
     return name
 
@@ -596,9 +670,8 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
             row_blocks = int4_row_blocks(column_blocks, grid_rows or 1, defines.get("GROUPS_MIN_BLOCKS", 4))
             if row_blocks > 1:
                 defines = {**defines, "GROUPS_ROW_BLOCKS": row_blocks}
-            launch_decode("moe_int4.cu", "moe_gemv_int4_groups", (-(-column_blocks // row_blocks), grid_rows or 1),
-                          (MMA_GEMV_WARPS * 32,), args, pdl_mode=2 if tables_ready and PDL_WEIGHTS_FIRST else 1,
-                          **defines)
+            _launch_groups((-(-column_blocks // row_blocks), grid_rows or 1), args, defines, weight.in_features,
+                           pdl_mode=2 if tables_ready and PDL_WEIGHTS_FIRST else 1)
             return
         defines = {"MMA_GEMV_NTILES": 2}  # other layouts: moe_gemv_mma
         name = "mma"
@@ -680,6 +753,11 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     gate_up): with OPENINFER_DECODE_PDL the lane-groups GEMV may read it and the weights before it waits."""
     num_slots = int(grouping.sorted_slots.size)
     a = cupy.ascontiguousarray(a)
+    if weight.layout in TILED_LAYOUTS:  # held for moe_grouped_gemm_sm90 only (OPENINFER_MOE_SM90_TILED=load)
+        if sm90 is False or not sm90_experts(a, weight, num_slots):
+            raise ValueError(f"experts held in moe_sm90's {weight.layout} layout are read by moe_grouped_gemm_sm90 "
+                             f"only (an sm_90 GPU, aligned rows); OPENINFER_MOE_SM90_TILED=load needs it")
+        return grouped_gemm_sm90(a, weight, grouping, gather, overlap_previous=overlap_previous)
     if sm90 is None:
         sm90 = (gemv is None and gemv_kernel is None and pipelined is None and forced_gemv_kernel() is None
                 and sm90_experts(a, weight, num_slots))
@@ -696,7 +774,7 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     per_expert = num_slots / weight.num_experts
     name = choose_gemv(per_expert, True, weight.format, gemv_kernel) if gemv is None else \
         gemv_for(per_expert, True, weight.format, gemv_kernel) if gemv else None
-    name = layout_gemv(weight, name, gemv_kernel, per_expert)
+    name = layout_gemv(weight, name, gemv_kernel, per_expert, one_token=num_slots == grouping.top_k)
     use_pipelined = (gemv is not True and pipelined_mode(pipelined) != "off" and pipelined_ready(a, weight)
                      and (name is None or (gemv is None and gemv_kernel is None and forced_gemv_kernel() is None
                                            and per_expert > PIPELINED_ABOVE_ROWS_PER_EXPERT)))
@@ -848,7 +926,8 @@ def combine_add_rms_norm(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared
     out, residual_out = cupy.empty_like(residual), cupy.empty_like(residual)
     if num_tokens:
         threads = min(1024, max(32, -(-hidden // 64) * 32))  # the block add_rms_norm's (its sum order)
-        kernel("rms_norm.cu", "moe_combine_add_rms_norm")((num_tokens,), (threads,), (
+        columns = -(-hidden // threads)  # each thread's columns, held in registers
+        kernel("rms_norm.cu", "moe_combine_add_rms_norm", COMBINE_NORM_COLS=columns)((num_tokens,), (threads,), (
             y, grouping.slot_pos, grouping.weights, NULL if shared is None else shared, np.int32(grouping.top_k),
             residual, weight, out, residual_out, np.int32(hidden), np.float32(eps)))
     return out, residual_out
@@ -893,7 +972,8 @@ def shared_fusion_fits(layer: DeviceMoE, shared_gate_up: cupy.ndarray, shared_do
     """Whether ``fuse_shared_experts`` can stack these shared weights (bf16 ``[2·S·I, H]`` and ``[H, S·I]``)
     onto ``layer``'s bf16 experts (I their intermediate size, H hidden; S ≥ 1, within MAX_TOPK / MAX_EXPERTS)."""
     gate_up, down = layer.gate_up, layer.down
-    if layer.shared_experts or gate_up.format != "bf16" or down.format != "bf16":
+    if (layer.shared_experts or gate_up.format != "bf16" or down.format != "bf16" or gate_up.layout != "rows"
+            or down.layout != "rows"):
         return False
     inter, hidden = gate_up.out_features // 2, gate_up.in_features
     if (shared_gate_up.ndim != 2 or shared_down.ndim != 2 or shared_gate_up.dtype != cupy.uint16
@@ -923,8 +1003,11 @@ def fuse_shared_experts(layer: DeviceMoE, shared_gate_up: cupy.ndarray, shared_d
     down = cupy.empty((experts + count, hidden, inter), dtype=cupy.uint16)
     down[:experts] = layer.down.data
     down[experts:] = shared_down.reshape(hidden, count, inter).transpose(1, 0, 2)
-    return dataclasses.replace(layer, gate_up=ExpertLinear("bf16", gate_up, None, 2 * inter, hidden),
-                               down=ExpertLinear("bf16", down, None, hidden, inter), shared_experts=count)
+    gate_up_linear = ExpertLinear("bf16", gate_up, None, 2 * inter, hidden)
+    down_linear = ExpertLinear("bf16", down, None, hidden, inter)
+    if tiled_mode() == "load":  # held in moe_sm90's tiled layout only (the stacks above freed on return)
+        gate_up_linear, down_linear = tile_for_sm90(gate_up_linear, True), tile_for_sm90(down_linear, False)
+    return dataclasses.replace(layer, gate_up=gate_up_linear, down=down_linear, shared_experts=count)
 
 
 
@@ -1243,7 +1326,8 @@ def gemv_silu_kernel(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGro
     if not _switch(GEMV_SILU_ENV, default=True) or gate_up.out_features % 2 or not gate_up.gemv_ready(x):
         return None
     per_expert = int(grouping.sorted_slots.size) / gate_up.num_experts
-    name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None, per_expert)
+    name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None, per_expert,
+                       one_token=int(grouping.sorted_slots.size) == grouping.top_k)
     defines = GEMV_KERNELS.get(name, {}) if name is not None else {}
     if name in GROUPS_GEMVS and gate_up.layout == "lane_groups":  # =1 always; unset: up to LANE_GROUPS_SILU_MAX_SLOTS
         wanted = explicit or per_expert <= LANE_GROUPS_SILU_MAX_SLOTS
@@ -1275,8 +1359,8 @@ def gate_up_silu_gemv(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGr
             raise ValueError(f"the decode GEMV {name!r} reads lane-groups INT4 weights; this gate_up's layout is "
                              f"{gate_up.layout!r}")
         columns = MMA_GEMV_WARPS // defines.get("GROUPS_KSPLIT", 1) * 8
-        launch_decode("moe_int4.cu", "moe_gemv_int4_groups", (-(-inter // columns), grouping.max_tiles),
-                      (MMA_GEMV_WARPS * 32,), args, **defines, GROUPS_FUSE_SILU=1)
+        _launch_groups((-(-inter // columns), grouping.max_tiles), args, {**defines, "GROUPS_FUSE_SILU": 1},
+                       gate_up.in_features)
     elif name in TILED_GEMVS:
         columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
         gate_up._kernel("moe_gemv_int4_tiled", **{**defines, "TILED_ROW_BLOCKS": 1, "TILED_FUSE_SILU": 1})(
@@ -1289,7 +1373,10 @@ def gate_up_silu_gemv(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGr
 
 
 def sm90_routed(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGroupingDevice) -> bool:
-    """Whether ``routed_experts`` runs both projections on the Hopper kernel (the down projection last)."""
+    """Whether ``routed_experts`` runs both projections on the Hopper kernel (the down projection last): experts held
+    in its tiled layout always (a forced decode GEMV cannot read them)."""
+    if gate_up.layout in TILED_LAYOUTS:
+        return sm90_experts(x, gate_up, int(grouping.sorted_slots.size), True)
     return forced_gemv_kernel() is None and sm90_experts(x, gate_up, int(grouping.sorted_slots.size), True)
 
 
@@ -1298,6 +1385,9 @@ def routed_experts(backend, x: cupy.ndarray, gate_up: ExpertLinear, down: Expert
     """The experts' rows in expert order, ``[T·k, H]``: gate_up (gathering token rows), SwiGLU, down,
     each by the kernel the step's slots per expert and the switches choose (``moe_forward``'s middle)."""
     sm90_gate_up = sm90_routed(x, gate_up, grouping)
+    if not sm90_gate_up and gate_up.layout in TILED_LAYOUTS:
+        raise ValueError(f"experts held in moe_sm90's {gate_up.layout} layout are read by moe_grouped_gemm_sm90 only "
+                         f"(an sm_90 GPU, 16-byte aligned token rows)")
     if sm90_gate_up:  # the grouping's kernel ran last on this stream (OPENINFER_MOE_GATE_UP_PDL)
         activated = grouped_gemm_sm90(x, gate_up, grouping, True, fuse_silu=True, after_grouping=True)
     elif pipelined_gate_up(x, gate_up, grouping, backend.blas):
