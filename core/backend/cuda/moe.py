@@ -71,6 +71,7 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     MAX_EXPERTS,
     MAX_TOPK,
     NULL,
+    ROUTE_DECODE_DEFAULT_MAX_TOKENS,
     ROUTE_DECODE_ENV,
     ROUTE_DECODE_GATE_ENV,
     ROUTE_DECODE_GATES,

@@ -99,6 +99,7 @@ ROUTE_DECODE_GATE_ENV, ROUTE_DECODE_GATES, DEFAULT_ROUTE_DECODE_GATE = (
 ROUTE_DECODE_MAX_TOKENS, ROUTE_DECODE_MAX_HIDDEN = 64, 8192  # moe_route_decode: ≤ 32 16-byte chunks a lane
 ROUTE_DECODE_X_BYTES = 44 * 1024  # moe_route_decode's staged x rows (static shared memory)
 DEFAULT_ROUTE_DECODE = False
+ROUTE_DECODE_DEFAULT_MAX_TOKENS = 64  # the switch unset (with DEFAULT_ROUTE_DECODE): steps of at most this many tokens
 GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
 GROUPING_METHODS = ("single", "blocks", "chunks")
@@ -200,14 +201,17 @@ def router_fused_wanted(x: cupy.ndarray, gate: cupy.ndarray) -> bool:
 
 def route_decode_wanted(x: cupy.ndarray, layer: DeviceMoE) -> bool:
     """Whether ``route_and_group`` runs as moe_route_decode (see ROUTE_DECODE_ENV): the switch (1 / 0, unset: the
-    default; another value: a clear error) and the kernel's needs: 1..ROUTE_DECODE_MAX_TOKENS tokens, a router
+    default up to ROUTE_DECODE_DEFAULT_MAX_TOKENS tokens; another value: a clear error) and the kernel's needs:
+    1..ROUTE_DECODE_MAX_TOKENS tokens, a router
     without expert groups, no hash routing, rows of whole 16-byte pieces (aligned) up to ROUTE_DECODE_MAX_HIDDEN,
     the experts, slots and picks within its shared arrays and one warp."""
     spec, shared = layer.router, layer.shared_experts
     tokens, hidden = int(x.shape[0]), int(x.shape[1])
-    if os.environ.get(ROUTE_DECODE_ENV, "") == "" and (_switch(ROUTER_FUSED_ENV) or _switch(ROUTER_BLOCKS_ENV)):
+    unset = os.environ.get(ROUTE_DECODE_ENV, "") == ""
+    if unset and (_switch(ROUTER_FUSED_ENV) or _switch(ROUTER_BLOCKS_ENV)):
         return False  # unset, the other decode routers asked for by name run (their own logits order)
-    return (_switch(ROUTE_DECODE_ENV, default=DEFAULT_ROUTE_DECODE) and 0 < tokens <= ROUTE_DECODE_MAX_TOKENS
+    most = ROUTE_DECODE_DEFAULT_MAX_TOKENS if unset else ROUTE_DECODE_MAX_TOKENS
+    return (_switch(ROUTE_DECODE_ENV, default=DEFAULT_ROUTE_DECODE) and 0 < tokens <= most
             and layer.tid2eid is None and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups)
             and hidden % 8 == 0 and hidden <= ROUTE_DECODE_MAX_HIDDEN and x.data.ptr % 16 == 0
             and layer.gate.data.ptr % 16 == 0 and spec.top_k <= spec.num_experts
