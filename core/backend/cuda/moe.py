@@ -218,6 +218,11 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "groups_xs1_bulk6": {"GROUPS_XSMEM": 1, "GROUPS_BULK": 6, "GROUPS_ROTATE": 0},
     "groups_xs1_bulk4_k2": {"GROUPS_XSMEM": 1, "GROUPS_BULK": 4, "GROUPS_KSPLIT": 2, "GROUPS_ROTATE": 0,
                             "GROUPS_MIN_BLOCKS": 6},
+    # ... each chunk's staged activations read at its mma (GROUPS_XSMEM_AT_USE: one buffer live), so at most 93 / 80
+    # registers: 5 / 6 blocks an SM (a batch-1 down projection's 896 blocks in 1.4 / 1.1 waves instead of 1.7)
+    "groups_xs_u5": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_XSMEM_AT_USE": 1, "GROUPS_MIN_BLOCKS": 5},
+    "groups_xs_d2_u6": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_XSMEM_AT_USE": 1, "GROUPS_DEPTH": 2,
+                        "GROUPS_MIN_BLOCKS": 6},
     # measuring only, wrong results (moe_int4.cu GROUPS_PROBE): the default's memory stream without the arithmetic,
     # its arithmetic on cache-resident chunks; the bulk ring's memory stream
     "probe_memory": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0, "GROUPS_PROBE": 1},
@@ -248,8 +253,11 @@ TILED_GEMV = "tiled1_nc_rot"
 # groups_norot_acc2 was not faster (gate_up 43.5 -> 44.7 us), so the first entry stays.
 LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_norot"), (3, "groups_acc2"))
 # What lane-groups INT4 weights run in a grouped step of one token (every expert tile one row: a batch-1 decode step),
-# ahead of LANE_GROUPS_CHOICE; None: the table's.
-LANE_GROUPS_ONE_TOKEN: str | None = None
+# ahead of LANE_GROUPS_CHOICE; None: the table's. groups_xs since s13 D2 (H200, results/kimi_gemv_int4_s13d1_h200.json,
+# kimi_layer_b1_int4_s13d1_h200.json; Kimi-K2 at one token): gate_up / down 42.2 / 26.3 -> 37.8 / 23.9 us alone (the
+# arithmetic alone, probe_arith, had been 38.2 / 21.3; the loads alone, probe_memory, 34.9 / 20.4); in the layer's
+# graph timeline 43.6 + 25.9 -> 39.1 + 22.9 us (groups_xs1, the same kernel for one-row tiles), span 197.8 -> 190.3 us.
+LANE_GROUPS_ONE_TOKEN: str | None = "groups_xs"
 # OPENINFER_INT4_ROW_BLOCKS (moe_int4.cu GROUPS_ROW_BLOCKS): each block of moe_gemv_int4_groups takes R column
 # blocks in turn (blockIdx.x, + gridDim.x, ...), the grid R times narrower. "auto": for decode-sized grids (at most
 # ROW_BLOCKS_MAX_TILES tile rows) that exceed one wave of resident blocks by a quarter or more, R = the waves
