@@ -42,12 +42,10 @@ SHAPES: dict[str, list[tuple[str, int, int, str]]] = {
     "qwen3": [("qkv", 6144, 2560, "norm"), ("o_proj", 2560, 4096, "plain"), ("gate_up", 19456, 2560, "norm"),
               ("silu+down", 2560, 9728, "silu")],
 }
-# (gemv_m1_cols / gemv_m1_ksplit / gemv_m1_deep, slower at every Kimi-K2 shape in 2026-11-24's D2 and s12's D2b,
-# are gone: dense_gemv_int4d_d2_h200.json, kimi_layer_b1_kimi13_d2b)
-# "pipelined": gemv_m1_pipelined for "plain" shapes (the next pass's loads in flight while a pass multiplies; bits
-# of gemv_m1), gemv_m1 elsewhere
-VARIANTS = {"batched_tail": {"GEMV_BATCHED_TAIL": 1}, "serial_tail": {"GEMV_BATCHED_TAIL": 0},
-            "pipelined": {"GEMV_BATCHED_TAIL": 1, "PIPELINED": 1}}
+# (gemv_m1_cols / gemv_m1_ksplit / gemv_m1_deep, slower at every Kimi-K2 shape in 2026-11-24's D2 and s12's D2b, are
+# gone: dense_gemv_int4d_d2_h200.json, kimi_layer_b1_kimi13_d2b; so is gemv_m1_pipelined, the next pass's loads in
+# flight while a pass multiplies: s13 D2, dense_gemv_int4_s13d1_h200.json, qkv_a 9.6 -> 13.1, o_proj 29.5 -> 41.0 us)
+VARIANTS = {"batched_tail": {"GEMV_BATCHED_TAIL": 1}, "serial_tail": {"GEMV_BATCHED_TAIL": 0}}
 DEFAULT_VARIANTS = "batched_tail,serial_tail"
 CALLS = 16  # calls per timed graph
 MIN_ROTATION_BYTES = 256 << 20
@@ -63,11 +61,9 @@ def launcher(kind: str, n: int, k: int, defines: dict[str, int], num_sms: int):
     null = np.uint64(0)
     threads = (GEMV_WARPS_PER_BLOCK * 32,)
     if kind == "plain":
-        built = {name: value for name, value in defines.items() if name != "PIPELINED"}
-        fn = kernel("gemv.cu", "gemv_m1_pipelined" if defines.get("PIPELINED") else "gemv_m1", **built)
+        fn = kernel("gemv.cu", "gemv_m1", **defines)
         grid = (-(-n // GEMV_WARPS_PER_BLOCK),)
         return lambda x, w, out: fn(grid, threads, (x, w, null, out, np.int32(1), np.int32(n), np.int32(k)))
-    defines = {name: value for name, value in defines.items() if name != "PIPELINED"}
     norm = cupy.ones(k, cupy.uint16) * np.uint16(0x3F80)  # bf16 1.0
     if kind == "norm_scaled":
         fn = kernel("gemv.cu", "gemv_m1_rms_scaled", **defines)

@@ -3,7 +3,7 @@ a batch-1 step runs it) then down, by each decode GEMV named on the command line
 (Nsight Compute: ``ncu --kernel-name moe_gemv_int4_groups ...``) can take the kernels apart. Prints each kernel's
 order. Not a timing (the GEMV benchmarks are ``gpu_kimi.py gemv`` / ``layer``).
 
-    ncu --kernel-name moe_gemv_int4_groups --launch-skip 4 python benchmarks/gpu_int4_profile.py groups_norot,groups_bulk8
+    ncu --kernel-name moe_gemv_int4_groups --launch-skip 4 python benchmarks/gpu_int4_profile.py groups_norot,groups_xs
 """
 
 from __future__ import annotations

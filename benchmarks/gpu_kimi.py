@@ -1156,7 +1156,10 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
                   "($OPENINFER_DECODE_PDL=1)",
     "shared_after_route": "the shared expert's side stream forked after the routing ($OPENINFER_MOE_SHARED_AFTER_ROUTE=1)",
     "route_sort_warp": "moe_route_sort in one warp at 1-2 tokens ($OPENINFER_MOE_ROUTE_SORT_WARP=1)",
-    "gemv_pipelined": "one-row GEMVs of rows past a pass by gemv_m1_pipelined ($OPENINFER_GEMV_PIPELINED=1)",
+    "route_before_shared": "the routing launched before the shared experts ($OPENINFER_MOE_ROUTE_BEFORE_SHARED=1)",
+    "route_decode": "a decode step's routing in one launch, moe_route_decode ($OPENINFER_MOE_ROUTE_DECODE=1)",
+    "no_route_before_shared": "$OPENINFER_MOE_ROUTE_BEFORE_SHARED=0",
+    "no_route_decode": "$OPENINFER_MOE_ROUTE_DECODE=0",
     # the switches above turned off (to time the defaults before a flip against them)
     "no_int4_row_blocks": "one column block per moe_gemv_int4_groups block ($OPENINFER_INT4_ROW_BLOCKS=1)",
     "no_rms_scaled": "q_a_norm + q_b as rms_norm then gemv_m1 ($OPENINFER_RMS_SCALED_GEMV=0)",
@@ -1278,7 +1281,10 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "no_decode_pdl": ("OPENINFER_DECODE_PDL", "0"),
                 "no_shared_after_route": (cuda_moe.SHARED_AFTER_ROUTE_ENV, "0"),
                 "route_sort_warp": (cuda_moe.ROUTE_SORT_WARP_ENV, "1"),
-                "gemv_pipelined": ("OPENINFER_GEMV_PIPELINED", "1")}
+                "route_before_shared": ("OPENINFER_MOE_ROUTE_BEFORE_SHARED", "1"),
+                "route_decode": ("OPENINFER_MOE_ROUTE_DECODE", "1"),
+                "no_route_before_shared": ("OPENINFER_MOE_ROUTE_BEFORE_SHARED", "0"),
+                "no_route_decode": ("OPENINFER_MOE_ROUTE_DECODE", "0")}
     for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
         os.environ.pop(env, None)
     for option, (env, value) in switches.items():

@@ -178,35 +178,6 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m1(GEMV_
     gemv_tile<1, 1, GEMV_M1_UNROLL, DECODE_PDL != 0>(x, w, bias, y, M, N, K, blockIdx.x);
 }
 
-// gemv_m1_pipelined: gemv_m1 with the next pass's weight words in flight while this pass multiplies (gemv_m1 issues
-// a pass's loads, waits, multiplies, and only then issues the next: a warp of a long row idles a round trip per pass),
-// so two passes of GEMV_M1_UNROLL raw words a lane at a time. For long rows in small grids: Kimi-K2's qkv_a, 2112 x
-// 7168, 264 blocks, 3.5 passes a warp. Each lane's k in order: gemv_m1's bits. Opt-in (linear.PIPELINED_GEMV_ENV).
-extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m1_pipelined(GEMV_ARGS) {
-    constexpr int PASS = GEMV_M1_UNROLL * 32 * 8;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n = blockIdx.x * WARPS_PER_BLOCK + warp;
-    if (n >= N) return;
-    const bf16* const wrow[1] = {w + (size_t)n * K};
-    float acc[1][1] = {{0.f}};
-    uint4 even[GEMV_M1_UNROLL][1], odd[GEMV_M1_UNROLL][1];  // passes 0, 2, ... and 1, 3, ...
-    int k = lane * 8;
-    gemv_raw_issue<1, GEMV_M1_UNROLL>(wrow, even, K, k);
-    decode_pdl_wait();  // DECODE_PDL: the first pass's weights in flight before the wait (decode_pdl.cuh)
-    decode_pdl_launch_dependents();
-    for (;; k += 2 * PASS) {
-        if (k + PASS < K) gemv_raw_issue<1, GEMV_M1_UNROLL>(wrow, odd, K, k + PASS);
-        gemv_raw_consume<1, 1, GEMV_M1_UNROLL>(x, even, acc, 1, K, k);
-        if (k + PASS >= K) break;
-        if (k + 2 * PASS < K) gemv_raw_issue<1, GEMV_M1_UNROLL>(wrow, even, K, k + 2 * PASS);
-        gemv_raw_consume<1, 1, GEMV_M1_UNROLL>(x, odd, acc, 1, K, k + PASS);
-        if (k + 2 * PASS >= K) break;
-    }
-    (void)M;
-    const float sum = warp_sum(acc[0][0]);
-    if (lane == 0) y[n] = __float2bfloat16_rn(sum + (bias != nullptr ? __bfloat162float(bias[n]) : 0.f));
-}
-
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m2(GEMV_ARGS) {
     gemv_tile<2, 2, 2>(x, w, bias, y, M, N, K, blockIdx.x);
 }

@@ -55,12 +55,6 @@
 #ifndef GROUPS_STAGES
 #define GROUPS_STAGES 0  // > 0: the chunk ring in shared memory, this many chunks deep, filled by cp.async
 #endif                   // (GROUPS_DEPTH unused): more bytes in flight per warp than registers hold
-#ifndef GROUPS_BULK
-#define GROUPS_BULK 0  // > 0: the chunk ring in shared memory, this many chunks deep, filled by TMA bulk copies
-#endif                 // (cp.async.bulk onto a stage's mbarrier, issued by lane 0; GROUPS_DEPTH unused)
-// A bulk stage: the "rows g" half (512 bytes), the "rows g + 8" half (512), then the 128-byte scale line of each
-// (plain: one line, both halves' scales; SiLU·mul fused: the gate block's, then the up block's)
-#define GROUPS_BULK_STAGE_BYTES 1280
 #ifndef GROUPS_PROBE
 #define GROUPS_PROBE 0  // measuring only (wrong results): 1 loads every chunk but skips its arithmetic (the memory
 #endif                  // stream alone); 2 multiplies every chunk but loads chunk 0 each time (the arithmetic alone)
@@ -69,10 +63,16 @@
 #endif                  // registers beside each group's sum (the -136 term: one mma a chunk instead of eight), for
                         // passes of that many token rows (1: a batch-1 step's tiles, half the shared memory; a tile
                         // of more rows streams its weights once a row); one token pair. See groups_stage_activations
+#ifndef GROUPS_XSMEM_AT_USE
+#define GROUPS_XSMEM_AT_USE 0  // 1 (with GROUPS_XSMEM): each chunk's staged activations read just before its mma
+#endif                         // (shared memory is near: one buffer of them live instead of two; fewer registers)
+#if GROUPS_XSMEM_AT_USE && !GROUPS_XSMEM
+#error "GROUPS_XSMEM_AT_USE reads staged activations: GROUPS_XSMEM"
+#endif
 #define GROUPS_PASS_ROWS (GROUPS_XSMEM == 1 ? 1 : 2 * GROUPS_PAIRS)  // token rows a pass over the weights
 #define GROUPS_XSMEM_RECORD 80  // bytes a (chunk, group, token) record: 16 B registers (64), the sum's 2 (8), pad
 #if GROUPS_XSMEM && (GROUPS_PAIRS != 1 || GROUPS_STAGES || GROUPS_PROBE)
-#error "GROUPS_XSMEM: the register or the bulk ring, one token pair a pass"
+#error "GROUPS_XSMEM: the register ring, one token pair a pass"
 #endif
 #ifndef GROUPS_DYNAMIC_SHARED  // the host emulation supplies a static buffer
 #define GROUPS_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
@@ -94,18 +94,11 @@
 #endif
 #define GROUPS_WARPS 4
 #define GROUPS_TILE_ROWS 64
-#if GROUPS_KSPLIT > 1 && (!(GROUPS_STAGES || GROUPS_BULK) || GROUPS_WARPS % GROUPS_KSPLIT)
-#error "GROUPS_KSPLIT needs a shared-memory ring and must divide GROUPS_WARPS"
+#if GROUPS_KSPLIT > 1 && (!GROUPS_STAGES || GROUPS_WARPS % GROUPS_KSPLIT)
+#error "GROUPS_KSPLIT needs the shared-memory ring and must divide GROUPS_WARPS"
 #endif
 #if GROUPS_STAGES
 static_assert(GROUPS_WARPS * GROUPS_STAGES * GROUPS_STAGE_BYTES <= 48 * 1024, "static shared memory");
-#endif
-#if GROUPS_BULK
-static_assert(GROUPS_WARPS * GROUPS_BULK * GROUPS_BULK_STAGE_BYTES + GROUPS_WARPS * GROUPS_BULK * 8 <= 48 * 1024,
-              "static shared memory");
-#if GROUPS_STAGES
-#error "GROUPS_BULK is its own ring (no GROUPS_STAGES)"
-#endif
 #endif  // rows of a grouped tile: moe.cu BM (moe.py TILE_M)
 #define GROUPS_NEG136 0xC308C308u  // bf16 -136, twice
 
@@ -201,109 +194,7 @@ __device__ __forceinline__ void groups_issue(const GroupsRows& rows, int c, unsi
 
 #endif
 
-#if GROUPS_BULK
-// The warp's ring of TMA bulk copies. Lane 0 issues a chunk's copies (2 or 4: its two 512-byte halves and their
-// scale lines) onto the stage's mbarrier with the chunk's byte count; every lane waits on the barrier's phase
-// (a stage's n-th use: parity n & 1). A warp's stages are its own: no block barrier, no per-lane copy
-// instructions, and the bytes in flight are not bounded by registers or the L1's miss slots.
-struct GroupsBulkSource {
-    const unsigned char* w;  // the first chunk's "rows g" half (512 bytes; plain: the whole 1 KB chunk)
-    const unsigned char* s;  // the first chunk's scale line (128 bytes)
-#if GROUPS_FUSE_SILU
-    unsigned w_hi, s_hi;     // the up rows' half and scale line: this many bytes further
-#endif
-};
-
-__device__ __forceinline__ unsigned groups_smem_at(const void* p) {
-#ifdef MMA_HOST_STANDIN
-    (void)p;
-    return 0;
-#else
-    return (unsigned)__cvta_generic_to_shared(p);
-#endif
-}
-
-__device__ __forceinline__ void groups_bulk_init(unsigned long long* bar) {
-#ifdef MMA_HOST_STANDIN
-    *bar = 0;
-#else
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(groups_smem_at(bar)));
-#endif
-}
-
-__device__ __forceinline__ void groups_bulk_fence_init() {
-#ifndef MMA_HOST_STANDIN
-    asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::: "memory");
-#endif
-}
-
-// One bulk copy of `bytes` (a multiple of 16, 16-byte aligned both sides) onto `bar`'s transaction count.
-__device__ __forceinline__ void groups_bulk_copy(unsigned char* dst, const unsigned char* src, unsigned bytes,
-                                                 unsigned long long* bar) {
-#ifdef MMA_HOST_STANDIN
-    (void)bar;
-    for (unsigned i = 0; i < bytes; ++i) dst[i] = src[i];
-#else
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(groups_smem_at(dst)), "l"(src), "r"(bytes), "r"(groups_smem_at(bar)) : "memory");
-#endif
-}
-
-// Lane 0: chunk c of the warp's rows into `stage`, announced to `bar` (the other lanes: nothing).
-__device__ __forceinline__ void groups_bulk_issue(const GroupsBulkSource& src, int c, unsigned char* stage,
-                                                  unsigned long long* bar, int lane) {
-    if (lane != 0) return;
-#if GROUPS_PROBE == 2
-    c &= 1;
-#endif
-    const unsigned long long w = (unsigned long long)(unsigned)c * 1024u, s = (unsigned long long)(unsigned)c * 128u;
-#ifndef MMA_HOST_STANDIN
-    // the stage's last reads (generic proxy, ordered by the caller's __syncwarp) before the async proxy's writes
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#if GROUPS_FUSE_SILU
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(groups_smem_at(bar)), "n"(1280) : "memory");
-#else
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(groups_smem_at(bar)), "n"(1152) : "memory");
-#endif
-#endif
-#if GROUPS_FUSE_SILU
-    groups_bulk_copy(stage, src.w + w, 512, bar);
-    groups_bulk_copy(stage + 512, src.w + w + src.w_hi, 512, bar);
-    groups_bulk_copy(stage + 1024, src.s + s, 128, bar);
-    groups_bulk_copy(stage + 1152, src.s + s + src.s_hi, 128, bar);
-#else
-    groups_bulk_copy(stage, src.w + w, 1024, bar);
-    groups_bulk_copy(stage + 1024, src.s + s, 128, bar);
-#endif
-}
-
-// Every lane: until `bar` completed the phase of parity `parity` (the host stand-in: the warp meets, so lane 0's
-// copies are done).
-__device__ __forceinline__ void groups_bulk_wait(unsigned long long* bar, unsigned parity) {
-#ifdef MMA_HOST_STANDIN
-    (void)bar;
-    (void)parity;
-    __shfl_xor_sync(0xFFFFFFFFu, 0.f, 1);
-#else
-    unsigned done = 0;
-    do {
-        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                     "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(done) : "r"(groups_smem_at(bar)), "r"(parity) : "memory");
-    } while (!done);
-#endif
-}
-
-// The warp's lanes all past their reads of the stages used so far (before lane 0 refills one).
-__device__ __forceinline__ void groups_bulk_lanes_done() {
-#ifdef MMA_HOST_STANDIN
-    __shfl_xor_sync(0xFFFFFFFFu, 0.f, 1);
-#else
-    __syncwarp();
-#endif
-}
-#endif
-
-#if GROUPS_BULK || GROUPS_STAGES
+#if GROUPS_STAGES
 // This lane's share of the chunk in a stage: its 16 bytes of each half (at 16 * lane, 512 + 16 * lane) and its
 // two scale pairs at `s_lo`, `s_hi` bytes into the stage.
 __device__ __forceinline__ GroupsChunk groups_read_at(const unsigned char* stage, int lane, int s_lo, int s_hi) {
@@ -523,7 +414,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
     // the routing); 2 (the host's tables_ready: the down projection after gate_up): the tile list and the weights
     // are older, so the first chunks' weights load before the wait, the activations after it. The next kernel may
     // launch once every CTA is past its wait (so what it reads of earlier kernels is complete too).
-#if DECODE_PDL != 2 || GROUPS_STAGES || GROUPS_BULK
+#if DECODE_PDL != 2 || GROUPS_STAGES
     decode_pdl_wait();
     decode_pdl_launch_dependents();
     bool waited = true;
@@ -533,19 +424,6 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #if GROUPS_XSMEM
     GROUPS_DYNAMIC_SHARED(groups_xs);  // the pass's staged activations (groups_stage_activations)
-#endif
-#if GROUPS_BULK  // the warp's ring and its barriers; `ring_uses`: chunks through the ring so far (every pass)
-    __shared__ __align__(128) unsigned char groups_bulk_ring[GROUPS_WARPS][GROUPS_BULK][GROUPS_BULK_STAGE_BYTES];
-    __shared__ __align__(8) unsigned long long groups_bulk_full[GROUPS_WARPS][GROUPS_BULK];
-    unsigned char(*bulk_ring)[GROUPS_BULK_STAGE_BYTES] = groups_bulk_ring[warp];
-    unsigned long long* bulk_full = groups_bulk_full[warp];
-    if (lane == 0) {
-#pragma unroll
-        for (int d = 0; d < GROUPS_BULK; ++d) groups_bulk_init(&bulk_full[d]);
-        groups_bulk_fence_init();
-    }
-    groups_bulk_lanes_done();
-    unsigned ring_uses = 0;
 #endif
     // GROUPS_ROW_BLOCKS column blocks in turn (a block-uniform loop: the KSPLIT barriers stay matched)
     for (int row_block = 0; row_block < GROUPS_ROW_BLOCKS; ++row_block) {
@@ -647,54 +525,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             for (int p = 0; p < GROUPS_PAIRS; ++p)
     #pragma unroll
                 for (int v = 0; v < 4; ++v) acc[p][v] = 0.f;
-#if GROUPS_BULK
-            const GroupsBulkSource bulk_source = {words + w_lo, scales + first_chunk(row_lo) * 128
-#if GROUPS_FUSE_SILU
-                                                  , rows_of_warp.w_hi, (unsigned)((first_chunk(row_hi) - first_chunk(row_lo)) * 128)
-#endif
-            };
-            // this lane's scale pairs in a stage: "rows g" in the first line, "rows g + 8" in the same line 8 bytes on
-            // (plain) or in the second line (fused), each at its half's 8-byte offset
-            const int s_lo_at = 1024 + ((row_lo >> 3) & 1) * 8 + scale_pair;
-#if GROUPS_FUSE_SILU
-            const int s_hi_at = 1152 + ((row_hi >> 3) & 1) * 8 + scale_pair;
-#else
-            const int s_hi_at = 1024 + 8 + scale_pair;
-#endif
-            int load_chunk = start;  // the next chunk the ring loads
-            const unsigned first_use = ring_uses;
-#pragma unroll
-            for (int d = 0; d + 1 < GROUPS_BULK; ++d)
-                if (d < count) {
-                    const unsigned use = first_use + d;
-                    groups_bulk_issue(bulk_source, load_chunk, bulk_ring[use % GROUPS_BULK], &bulk_full[use % GROUPS_BULK],
-                                      lane);
-                    load_chunk = next_chunk(load_chunk);
-                }
-#if GROUPS_XSMEM  // the pass's activations into shared memory (the ring's first chunks in flight meanwhile)
-            groups_stage_pass(groups_xs, a, sorted_slots, top_k, pass, rows, chunks, K, token_of_lane, t, x_at, x_stride);
-#endif
-            uint4 xv[GROUPS_PAIRS][GROUPS_X_WORDS];
-            int x_chunk = start;  // the chunk whose activations load next
-            for (int c = 0; c < count; ++c) {
-                groups_x_load(xv, x_at, x_stride, x_chunk);  // L1-resident: in before the chunk's bytes are
-                x_chunk = next_chunk(x_chunk);
-                if (c + GROUPS_BULK - 1 < count) {  // into the stage read last turn (its reads done: the warp meets)
-                    const unsigned use = first_use + c + GROUPS_BULK - 1;
-                    groups_bulk_lanes_done();
-                    groups_bulk_issue(bulk_source, load_chunk, bulk_ring[use % GROUPS_BULK], &bulk_full[use % GROUPS_BULK],
-                                      lane);
-                    load_chunk = next_chunk(load_chunk);
-                }
-                const unsigned use = first_use + c;
-                groups_bulk_wait(&bulk_full[use % GROUPS_BULK], (use / GROUPS_BULK) & 1);
-                groups_chunk(acc, groups_read_at(bulk_ring[use % GROUPS_BULK], lane, s_lo_at, s_hi_at), xv, neg136, magic);
-            }
-            ring_uses = first_use + count;
-            (void)rows_of_warp;
-            (void)waited;
-            groups_bulk_lanes_done();  // every lane's reads of this pass's stages before the next pass refills them
-#elif GROUPS_STAGES
+#if GROUPS_STAGES
             __shared__ __align__(16) unsigned char groups_ring[GROUPS_WARPS][GROUPS_STAGES][GROUPS_STAGE_BYTES];
             unsigned char(*ring)[GROUPS_STAGE_BYTES] = groups_ring[warp];
             int load_chunk = start;  // the next chunk the ring loads
@@ -741,15 +572,23 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             groups_stage_pass(groups_xs, a, sorted_slots, top_k, pass, rows, chunks, K, token_of_lane, t, x_at, x_stride);
 #endif
             uint4 xv[2][GROUPS_PAIRS][GROUPS_X_WORDS];
+#if GROUPS_XSMEM_AT_USE  // the staged activations read where they are multiplied (one buffer live, not two)
+            int x_chunk = start;
+#else
             groups_x_load(xv[0], x_at, x_stride, start);
             int x_chunk = next_chunk(start);  // the chunk whose activations load next
+#endif
             int c0 = 0;
             for (; c0 + 2 * GROUPS_DEPTH - 1 <= count; c0 += GROUPS_DEPTH) {  // every load of the turn in range
     #pragma unroll
                 for (int d = 0; d < GROUPS_DEPTH; ++d) {
                     ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(rows_of_warp, load_chunk);  // the slot used last
                     load_chunk = next_chunk(load_chunk);
+#if GROUPS_XSMEM_AT_USE
+                    groups_x_load(xv[d % 2], x_at, x_stride, x_chunk);
+#else
                     groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
+#endif
                     x_chunk = next_chunk(x_chunk);
                     groups_chunk(acc, ring[d], xv[d % 2], neg136, magic);
                 }
@@ -763,10 +602,15 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                         load_chunk = next_chunk(load_chunk);
                     }
                     if (c < count) {
+#if GROUPS_XSMEM_AT_USE
+                        groups_x_load(xv[d % 2], x_at, x_stride, x_chunk);
+                        x_chunk = next_chunk(x_chunk);
+#else
                         if (c + 1 < count) {
                             groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
                             x_chunk = next_chunk(x_chunk);
                         }
+#endif
                         groups_chunk(acc, ring[d], xv[d % 2], neg136, magic);
                     }
                 }

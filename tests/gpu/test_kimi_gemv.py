@@ -43,9 +43,8 @@ GROUPED_KERNELS = [False, "moe_gemv", "wide", "wide_nc", "mma", "mma_nc", "mma_s
 LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "tiled1_nc_rot", "groups", "groups_d2",
                        "groups_norot_acc2", "groups_acc2", "groups_norot_acc4",
                        "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6",
-                       "groups_s8_k2", "groups_s8_p2", "groups_s8_p4", "groups_bulk4", "groups_bulk8", "groups_bulk8_rot",
-                       "groups_bulk4_k2", "groups_bulk6_k2", "groups_xs", "groups_xs_d2", "groups_xs1", "groups_xs1_bulk4",
-                       "groups_xs1_bulk6", "groups_xs1_bulk4_k2"]
+                       "groups_s8_k2", "groups_s8_p2", "groups_s8_p4", "groups_xs", "groups_xs_d2", "groups_xs1",
+                       "groups_xs_u5", "groups_xs_d2_u6"]
 
 
 def _kernel_id(kernel) -> str:
@@ -154,27 +153,30 @@ def test_int4_layout_switch(cuda_moe, rng, monkeypatch, layout):
 
 def test_lane_groups_one_token_choice_and_shared_memory(cuda_moe, rng, monkeypatch):
     """LANE_GROUPS_ONE_TOKEN runs a one-token grouped step (every tile one row) ahead of LANE_GROUPS_CHOICE, and only
-    there; a forced kernel wins; groups_shared_bytes sizes GROUPS_XSMEM's staged rows and the bulk ring, and says
-    clearly when a block cannot hold them."""
+    there; a forced kernel wins; groups_shared_bytes sizes GROUPS_XSMEM's staged rows and the shared-memory ring, and
+    says clearly when a block cannot hold them."""
     moe = cuda_moe
     weight = moe.tiled_int4(_int4_experts(rng, 4, 64, 256)[0], "lane_groups")
     monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
+    monkeypatch.setattr(moe, "LANE_GROUPS_ONE_TOKEN", None)
     table = moe.layout_gemv(weight, "mma_staged", None, 0.02)
-    assert moe.layout_gemv(weight, "mma_staged", None, 0.02, one_token=True) == table  # unset: the table's
-    monkeypatch.setattr(moe, "LANE_GROUPS_ONE_TOKEN", "groups_xs1_bulk4")
-    assert moe.layout_gemv(weight, "mma_staged", None, 0.02, one_token=True) == "groups_xs1_bulk4"
+    assert moe.layout_gemv(weight, "mma_staged", None, 0.02, one_token=True) == table  # None: the table's
+    monkeypatch.setattr(moe, "LANE_GROUPS_ONE_TOKEN", "groups_xs_u5")
+    assert moe.layout_gemv(weight, "mma_staged", None, 0.02, one_token=True) == "groups_xs_u5"
     assert moe.layout_gemv(weight, "mma_staged", None, 0.04) == table
-    assert moe.layout_gemv(weight, "mma_staged", "groups_bulk8", 0.02, one_token=True) == "groups_bulk8"
+    # a forced kernel (the name choose_gemv hands over) runs as it is
+    assert moe.layout_gemv(weight, "groups_norot", "groups_norot", 0.02, one_token=True) == "groups_norot"
     x = cupy.asarray(float32_to_bf16(rng.standard_normal((1, 256)).astype(np.float32)))
     one = moe.group_by_expert(cupy.asarray(np.array([[0, 2]], np.int32)), cupy.ones((1, 2), cupy.float32), 4)
     two = moe.group_by_expert(cupy.asarray(np.array([[0, 2], [0, 1]], np.int32)), cupy.ones((2, 2), cupy.float32), 4)
     monkeypatch.setenv(moe.GEMV_SILU_ENV, "1")
-    assert moe.gemv_silu_kernel(x, weight, one) == "groups_xs1_bulk4"
-    assert moe.gemv_silu_kernel(cupy.concatenate([x, x]), weight, two) != "groups_xs1_bulk4"
+    assert moe.gemv_silu_kernel(x, weight, one) == "groups_xs_u5"
+    assert moe.gemv_silu_kernel(cupy.concatenate([x, x]), weight, two) != "groups_xs_u5"
     assert moe.groups_shared_bytes({"GROUPS_XSMEM": 1}, 7168) == (0, (4 * 56 + 1) * 80)
-    assert moe.groups_shared_bytes({"GROUPS_XSMEM": 2, "GROUPS_BULK": 4}, 2048) == (4 * 4 * 1288, (8 * 16 + 1) * 80)
+    assert moe.groups_shared_bytes({"GROUPS_XSMEM": 2}, 2048) == (0, (8 * 16 + 1) * 80)
+    assert moe.groups_shared_bytes({"GROUPS_STAGES": 8, "GROUPS_KSPLIT": 2}, 2048) == (4 * 8 * 1280 + 2048, 0)
     with pytest.raises(ValueError, match="shared memory"):
-        moe.groups_shared_bytes({"GROUPS_XSMEM": 2, "GROUPS_BULK": 8}, 128 * 400)
+        moe.groups_shared_bytes({"GROUPS_XSMEM": 2}, 128 * 400)
 
 
 @pytest.mark.parametrize("after_route", ["0", "1"])
@@ -299,13 +301,12 @@ def test_wide_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, monkeypat
 # --- the lane-groups layout (tile_int4(lane_groups=True), moe.cu INT4_TILED 2) and moe_int4.cu's GEMV ---
 
 
-@pytest.mark.parametrize("gemv_kernel", [None, "groups_bulk8", "groups_bulk4_k2", "groups_xs", "groups_xs1_bulk4",
-                                         "groups_xs1_bulk4_k2"])
+@pytest.mark.parametrize("gemv_kernel", [None, "groups_norot", "groups_xs", "groups_xs_u5", "groups_xs_d2_u6"])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 64])
 def test_lane_groups_moe_forward_equals_rows(cuda_backend, cuda_moe, rng, monkeypatch, tokens, gemv_kernel):
     """moe_forward (routing, gate_up GEMV, SiLU·mul, down GEMV, weighted combine) with lane-groups experts:
     within bf16 rounding of the checkpoint layout's block (1-3 tokens: moe_gemv_int4_groups; 64: past
-    LANE_GROUPS_CHOICE, the table's kernel; ``gemv_kernel``: that one forced, the TMA bulk rings), and a CUDA-graph
+    LANE_GROUPS_CHOICE, the table's kernel; ``gemv_kernel``: that one forced), and a CUDA-graph
     replay gives the eager bits."""
     from openinfer.moe import RouterSpec
 
@@ -340,9 +341,7 @@ def test_lane_groups_moe_forward_equals_rows(cuda_backend, cuda_moe, rng, monkey
 
 
 @pytest.mark.parametrize("gemv_kernel", ["groups", "groups_d2", "groups_d6", "groups_norot", "groups_s8", "groups_s8_k2",
-                                         "groups_bulk4", "groups_bulk8", "groups_bulk4_k2", "groups_bulk6_k2",
-                                         "groups_xs", "groups_xs_d2", "groups_xs1", "groups_xs1_bulk4",
-                                         "groups_xs1_bulk6", "groups_xs1_bulk4_k2"])
+                                         "groups_xs", "groups_xs_d2", "groups_xs1", "groups_xs_u5", "groups_xs_d2_u6"])
 @pytest.mark.parametrize("tokens", [1, 2, 40])
 def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, monkeypatch, gemv_kernel, tokens):
     """OPENINFER_MOE_GEMV_SILU=1 with lane-groups gate_up: moe_gemv_int4_groups with SiLU·mul fused (each warp
@@ -437,33 +436,6 @@ def test_gemv_m1_rms_scaled_matches_numpy(cuda_backend, rng, monkeypatch, n, k):
     monkeypatch.setenv(cuda_linear.RMS_SCALED_GEMV_ENV, "maybe")
     with pytest.raises(ValueError, match="must be 1 or 0"):
         cuda_linear.rms_scaled_wanted(x, layer)
-
-
-@pytest.mark.parametrize("n,k", [(2112, 7168), (37, 8192), (100, 2056), (9, 6152)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_gemv_m1_pipelined_equals_gemv_m1(cuda_backend, rng, monkeypatch, n, k, bias):
-    """gemv.cu gemv_m1_pipelined (OPENINFER_GEMV_PIPELINED=1: the next pass's loads in flight while a pass multiplies)
-    through the CUDA backend's linear: gemv_m1's bits (Kimi-K2's qkv_a, o_proj-long rows, one step past a pass, three
-    whole passes and a partial one), the NumPy product within bf16 rounding; rows within a pass keep gemv_m1; a bad
-    value errors."""
-    from openinfer.backend.cuda import linear as cuda_linear
-
-    w_host = bf16_random(rng, n, k, scale=0.02)
-    b_host = bf16_random(rng, n, scale=0.5) if bias else None
-    layer = cuda_backend.linear_weight(w_host, b_host)
-    x_host = bf16_random(rng, 1, k)
-    x = cuda_backend.upload(x_host)
-    monkeypatch.setenv(cuda_linear.PIPELINED_GEMV_ENV, "0")
-    plain = cuda_backend.to_host(cuda_backend.linear(x, layer))
-    monkeypatch.setenv(cuda_linear.PIPELINED_GEMV_ENV, "1")
-    assert cuda_linear.pipelined_gemv_wanted(k) and not cuda_linear.pipelined_gemv_wanted(2048)
-    pipelined = cuda_backend.to_host(cuda_backend.linear(x, layer))
-    assert np.array_equal(pipelined, plain)
-    expected = x_host @ w_host.T + (0 if b_host is None else b_host)
-    assert relative_error(pipelined, expected) < BF16_TOL
-    monkeypatch.setenv(cuda_linear.PIPELINED_GEMV_ENV, "sometimes")
-    with pytest.raises(ValueError, match="must be 1 or 0"):
-        cuda_linear.pipelined_gemv_wanted(k)
 
 
 def test_weight_prefetch_is_a_hint(cuda_backend, rng, monkeypatch):

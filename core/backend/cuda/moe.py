@@ -275,33 +275,28 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # for a few slots per expert): 244 / 365 instructions per KB, 102 / 128 registers
     "groups_s8_p2": {"GROUPS_STAGES": 8, "GROUPS_PAIRS": 2},
     "groups_s8_p4": {"GROUPS_STAGES": 8, "GROUPS_PAIRS": 4},
-    # the chunk ring in shared memory filled by TMA bulk copies (GROUPS_BULK stages per warp, lane 0 issues a chunk's
-    # 2-4 cp.async.bulk onto the stage's mbarrier): the bytes in flight bounded by neither registers nor the L1's
-    # miss slots, no per-lane copy instructions. sm_90a ptxas: 64-78 registers, 31-41 KB per block, no spills.
-    # _k2: K split over the 2 warps sharing a row block (twice the warps; 8 blocks an SM). Opt-in until measured
-    "groups_bulk4": {"GROUPS_BULK": 4, "GROUPS_ROTATE": 0},
-    "groups_bulk8": {"GROUPS_BULK": 8, "GROUPS_ROTATE": 0},
-    "groups_bulk8_rot": {"GROUPS_BULK": 8},
-    "groups_bulk4_k2": {"GROUPS_BULK": 4, "GROUPS_KSPLIT": 2, "GROUPS_MIN_BLOCKS": 8},
-    "groups_bulk6_k2": {"GROUPS_BULK": 6, "GROUPS_KSPLIT": 2, "GROUPS_MIN_BLOCKS": 6},
+    # (A ring filled by TMA bulk copies, GROUPS_BULK, lane 0 of a warp issuing cp.async.bulk onto mbarriers, was slower
+    # in s13 D2 at one token: gate_up / down 52.2 / 28.0 us with 4 stages, 53.4 / 33.8 with 8, vs groups_norot 42.2 /
+    # 26.3, its memory stream alone 37.5 / 24.6 vs the register ring's 34.9 / 20.4; deleted.)
     # the pass's activations staged by the block in shared memory as the mma's B registers beside each group's sum
     # (GROUPS_XSMEM 2 / 1: two / one token rows a pass; no byte permutes in the loop, one -136 mma a chunk instead of
     # eight: 9 mma per KB instead of 16); register ring. sm_90a ptxas: 118-127 registers (4 blocks per SM), no spills;
-    # dynamic shared memory (4 rows K / 128 + 1) x 80 bytes (Kimi-K2 gate_up 35.9 / 18.0 KB). Opt-in until measured
+    # dynamic shared memory (4 rows K / 128 + 1) x 80 bytes (Kimi-K2 gate_up 35.9 / 18.0 KB). s13 D2 (H200, one token,
+    # results/kimi_gemv_int4_s13d1_h200.json) gate_up / down 37.8 / 23.9 us (xs1 37.8 / 23.8) vs groups_norot 42.2 /
+    # 26.3: LANE_GROUPS_ONE_TOKEN
     "groups_xs": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0},
     "groups_xs_d2": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_DEPTH": 2},
-    # ... one token row a pass (a batch-1 step's tiles: half the shared memory) with the bulk ring (62-76 registers:
-    # more blocks an SM), and K split over 2 warps (twice the warps at one token)
     "groups_xs1": {"GROUPS_XSMEM": 1, "GROUPS_ROTATE": 0},
-    "groups_xs1_bulk4": {"GROUPS_XSMEM": 1, "GROUPS_BULK": 4, "GROUPS_ROTATE": 0},
-    "groups_xs1_bulk6": {"GROUPS_XSMEM": 1, "GROUPS_BULK": 6, "GROUPS_ROTATE": 0},
-    "groups_xs1_bulk4_k2": {"GROUPS_XSMEM": 1, "GROUPS_BULK": 4, "GROUPS_KSPLIT": 2, "GROUPS_ROTATE": 0,
-                            "GROUPS_MIN_BLOCKS": 6},
-    # measuring only, wrong results (moe_int4.cu GROUPS_PROBE): the default's memory stream without the arithmetic,
-    # its arithmetic on cache-resident chunks; the bulk ring's memory stream
+    # ... each chunk's staged activations read at its mma (GROUPS_XSMEM_AT_USE: one buffer live), so at most 93 / 80
+    # registers: 5 / 6 blocks an SM (a batch-1 down projection's 896 blocks in 1.4 / 1.1 waves instead of 1.7)
+    "groups_xs_u5": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_XSMEM_AT_USE": 1, "GROUPS_MIN_BLOCKS": 5},
+    "groups_xs_d2_u6": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_XSMEM_AT_USE": 1, "GROUPS_DEPTH": 2,
+                        "GROUPS_MIN_BLOCKS": 6},
+    # measuring only, wrong results (moe_int4.cu GROUPS_PROBE): groups_norot's memory stream without the arithmetic,
+    # its arithmetic on cache-resident chunks. s13 D2 (one token, gate_up / down): 34.9 / 20.4 and 38.2 / 21.3 us
+    # where the kernel took 42.2 / 26.3: the arithmetic, not the loads, set the pace
     "probe_memory": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0, "GROUPS_PROBE": 1},
     "probe_arith": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0, "GROUPS_PROBE": 2},
-    "probe_bulk_memory": {"GROUPS_BULK": 8, "GROUPS_ROTATE": 0, "GROUPS_PROBE": 1},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
@@ -327,8 +322,11 @@ TILED_GEMV = "tiled1_nc_rot"
 # groups_norot_acc2 was not faster (gate_up 43.5 -> 44.7 us), so the first entry stays.
 LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_norot"), (3, "groups_acc2"))
 # What lane-groups INT4 weights run in a grouped step of one token (every expert tile one row: a batch-1 decode step),
-# ahead of LANE_GROUPS_CHOICE; None: the table's.
-LANE_GROUPS_ONE_TOKEN: str | None = None
+# ahead of LANE_GROUPS_CHOICE; None: the table's. groups_xs since s13 D2 (H200, results/kimi_gemv_int4_s13d1_h200.json,
+# kimi_layer_b1_int4_s13d1_h200.json; Kimi-K2 at one token): gate_up / down 42.2 / 26.3 -> 37.8 / 23.9 us alone (the
+# arithmetic alone, probe_arith, had been 38.2 / 21.3; the loads alone, probe_memory, 34.9 / 20.4); in the layer's
+# graph timeline 43.6 + 25.9 -> 39.1 + 22.9 us (groups_xs1, the same kernel for one-row tiles), span 197.8 -> 190.3 us.
+LANE_GROUPS_ONE_TOKEN: str | None = "groups_xs"
 # OPENINFER_INT4_ROW_BLOCKS (moe_int4.cu GROUPS_ROW_BLOCKS): each block of moe_gemv_int4_groups takes R column
 # blocks in turn (blockIdx.x, + gridDim.x, ...), the grid R times narrower. "auto": for decode-sized grids (at most
 # ROW_BLOCKS_MAX_TILES tile rows) that exceed one wave of resident blocks by a quarter or more, R = the waves
@@ -344,17 +342,17 @@ def _sm_count(device: int) -> int:
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
 
 
-GROUPS_XSMEM_RECORD, GROUPS_BULK_STAGE = 80, 1280  # moe_int4.cu: a staged (chunk, group, token) record; a bulk stage
+GROUPS_XSMEM_RECORD, GROUPS_STAGE_BYTES = 80, 1280  # moe_int4.cu: a staged (chunk, group, token) record; a ring stage
 SHARED_BYTES_DEFAULT, SHARED_BYTES_MOST = 48 * 1024, 227 * 1024  # a block's shared memory without / with the opt-in
 
 
 def groups_shared_bytes(defines: dict[str, int], in_features: int) -> tuple[int, int]:
     """(static, dynamic) shared memory of moe_gemv_int4_groups built with ``defines`` over K = ``in_features``: the
-    bulk ring's stages and barriers, the split's partial sums; GROUPS_XSMEM's staged activations (two token rows'
-    records, or one row's, and a zero record). More than an SM holds: a clear error."""
-    warps, stages, ksplit = MMA_GEMV_WARPS, defines.get("GROUPS_BULK", 0), defines.get("GROUPS_KSPLIT", 1)
-    static = (warps * stages * (GROUPS_BULK_STAGE + 8) + (warps * defines.get("GROUPS_PAIRS", 1) * 4 * 32 * 4
-                                                            if ksplit > 1 else 0))
+    shared-memory ring's stages, the split's partial sums; GROUPS_XSMEM's staged activations (two token rows' records,
+    or one row's, and a zero record). More than a block may hold: a clear error."""
+    warps, ksplit = MMA_GEMV_WARPS, defines.get("GROUPS_KSPLIT", 1)
+    static = (warps * defines.get("GROUPS_STAGES", 0) * GROUPS_STAGE_BYTES
+              + (warps * defines.get("GROUPS_PAIRS", 1) * 4 * 32 * 4 if ksplit > 1 else 0))
     rows = defines.get("GROUPS_XSMEM", 0)  # token rows a staged pass (0: none staged)
     dynamic = (4 * rows * (in_features // 128) + 1) * GROUPS_XSMEM_RECORD if rows else 0
     if static + dynamic > SHARED_BYTES_MOST:
