@@ -9,6 +9,11 @@ One step, T new tokens, H heads::
     mla_attention      o_latent[t, h] = softmax(q̃·c_kv + q_pe·k_pe) · c_kv  over positions ≤ t
     W_UV (batched)     o[t, h]        = W_UV[h] · o_latent[t, h]          [T, H·v]
 
+With ``OPENINFER_MLA_FUSED_WRITE`` a decode step (one new token per sequence) runs three launches: W_UK over q
+where the projection wrote it, ``mla_attention_tma`` computing each token's latent row itself (stored by head block 0,
+patched into its own tile) and rotating q_pe as it loads it, then W_UV (and the split combine where the splits are
+not combined in the kernel).
+
 Sequences that bring at least ``PREFILL_MIN_QUERY`` new tokens (prompts, prefill chunks) take the
 decompressed form instead, where tensor cores pay for expanding the latents::
 
