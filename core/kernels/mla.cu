@@ -158,18 +158,19 @@ extern "C" __global__ void mla_write_latent_gather_q(const bf16* __restrict__ kv
 // `w` holds this thread's NOPE_DIM / 16 rows of 8 columns (loaded by the caller: all in flight at once), q_nope of
 // every row goes through shared memory (rows q_token_stride elements apart, heads q_stride apart), the row groups are
 // summed by shuffles and through shared memory in a fixed order.
+template <int MAX_TOKENS>
 __device__ __forceinline__ void mla_absorb_columns(const uint4 (&w)[ABSORB_ROWS], const bf16* __restrict__ q,
                                                    long long q_token_stride, int q_stride, int num_heads,
                                                    int num_tokens, bf16* __restrict__ q_latent, int h, int c,
-                                                   bf16 (&q_nope)[ABSORB_MAX_TOKENS][NOPE_DIM],
-                                                   float (&warp_sums)[ABSORB_THREADS / 32][ABSORB_MAX_TOKENS][ABSORB_COLUMNS]) {
+                                                   bf16 (&q_nope)[MAX_TOKENS][NOPE_DIM],
+                                                   float (&warp_sums)[ABSORB_THREADS / 32][MAX_TOKENS][ABSORB_COLUMNS]) {
     const int group = threadIdx.x & 7, row_group = threadIdx.x >> 3;  // 8 columns, ABSORB_ROWS nope rows
     for (int i = threadIdx.x; i < num_tokens * NOPE_DIM; i += ABSORB_THREADS)
         q_nope[i / NOPE_DIM][i % NOPE_DIM] = q[(long long)(i / NOPE_DIM) * q_token_stride + (long long)h * q_stride + i % NOPE_DIM];
     __syncthreads();
-    float acc[ABSORB_MAX_TOKENS][8];
+    float acc[MAX_TOKENS][8];
 #pragma unroll
-    for (int t = 0; t < ABSORB_MAX_TOKENS; ++t)
+    for (int t = 0; t < MAX_TOKENS; ++t)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
 #pragma unroll
@@ -183,7 +184,7 @@ __device__ __forceinline__ void mla_absorb_columns(const uint4 (&w)[ABSORB_ROWS]
             weight[2 * e + 1] = f.y;
         }
 #pragma unroll
-        for (int t = 0; t < ABSORB_MAX_TOKENS; ++t) {
+        for (int t = 0; t < MAX_TOKENS; ++t) {
             if (t >= num_tokens) break;  // block-uniform
             const float x = __bfloat162float(q_nope[t][row_group * ABSORB_ROWS + r]);
 #pragma unroll
@@ -192,7 +193,7 @@ __device__ __forceinline__ void mla_absorb_columns(const uint4 (&w)[ABSORB_ROWS]
     }
     // the row groups: 4 per warp by shuffles (lanes 8 and 16 apart), then the 4 warps through shared memory
 #pragma unroll
-    for (int t = 0; t < ABSORB_MAX_TOKENS; ++t) {
+    for (int t = 0; t < MAX_TOKENS; ++t) {
         if (t >= num_tokens) break;  // block-uniform
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
@@ -224,17 +225,20 @@ __device__ __forceinline__ void mla_absorb_weights(uint4 (&w)[ABSORB_ROWS], cons
 // q_token_stride elements apart: a row view of the projection is read in place): mla_write_absorb's blocks without
 // the latent write (mla_attention_tma does it under TMA_FUSED_WRITE). The weights are loaded before the programmatic
 // wait (MLA_PDL): constant, their stream overlaps the kernel before. grid (num_heads, KV_LORA / 64), ABSORB_THREADS.
+#ifndef ABSORB_SMALL_TOKENS
+#define ABSORB_SMALL_TOKENS ABSORB_MAX_TOKENS  // the most rows of a mla_absorb_small build (core builds 4 and 16)
+#endif
 extern "C" __global__ void __launch_bounds__(ABSORB_THREADS)
 mla_absorb_small(const bf16* __restrict__ q, int q_token_stride, int q_stride, int num_heads, int num_tokens,
                  const bf16* __restrict__ w_uk /* [H, NOPE_DIM, KV_LORA] */, bf16* __restrict__ q_latent) {
-    __shared__ bf16 q_nope[ABSORB_MAX_TOKENS][NOPE_DIM];
-    __shared__ float warp_sums[ABSORB_THREADS / 32][ABSORB_MAX_TOKENS][ABSORB_COLUMNS];
+    __shared__ bf16 q_nope[ABSORB_SMALL_TOKENS][NOPE_DIM];
+    __shared__ float warp_sums[ABSORB_THREADS / 32][ABSORB_SMALL_TOKENS][ABSORB_COLUMNS];
     mla_pdl_launch_dependents();
     uint4 w[ABSORB_ROWS];
     mla_absorb_weights(w, w_uk, blockIdx.x, blockIdx.y);
     mla_pdl_wait();
-    mla_absorb_columns(w, q, q_token_stride, q_stride, num_heads, num_tokens, q_latent, blockIdx.x, blockIdx.y, q_nope,
-                       warp_sums);
+    mla_absorb_columns<ABSORB_SMALL_TOKENS>(w, q, q_token_stride, q_stride, num_heads, num_tokens, q_latent, blockIdx.x,
+                                            blockIdx.y, q_nope, warp_sums);
 }
 
 // mla_write_latent and W_UK (q_latent[t, h] = q_nope[t, h] · W_UK[h]) in one launch, for steps of at most
@@ -256,8 +260,8 @@ mla_write_absorb(const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __r
     const int h = blockIdx.x, c = blockIdx.y, rope_half = ROPE_DIM / 2;
     uint4 w[ABSORB_ROWS];
     mla_absorb_weights(w, w_uk, h, c);
-    mla_absorb_columns(w, q, (long long)num_heads * q_stride, q_stride, num_heads, num_tokens, q_latent, h, c, q_nope,
-                       warp_sums);
+    mla_absorb_columns<ABSORB_MAX_TOKENS>(w, q, (long long)num_heads * q_stride, q_stride, num_heads, num_tokens,
+                                          q_latent, h, c, q_nope, warp_sums);
     if (c == 0) {
         for (int i = threadIdx.x; i < num_tokens * rope_half; i += ABSORB_THREADS) {
             const int t = i / rope_half;

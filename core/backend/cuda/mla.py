@@ -134,6 +134,9 @@ WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
 # through its row stride. s12 D1 (H200, CUPTI): W_UK 3.3 us a layer at Moonlight b16; s12 D3: 4.6 us at Kimi b1 (8 MB).
 ABSORB_SMALL_ENV = "OPENINFER_MLA_ABSORB_SMALL"
 DEFAULT_ABSORB_SMALL = False
+# mla_absorb_small's builds by the most rows they take (ABSORB_SMALL_TOKENS): each row keeps 8 accumulators a thread,
+# so a 4-row build holds ~4x fewer registers (more blocks per SM: Kimi-K2's 64 heads x 8 column blocks in one wave).
+ABSORB_SMALL_BUILDS = (4, WRITE_ABSORB_MAX_TOKENS)
 # Opt-in: $OPENINFER_MLA_EXPAND_SMALL=1 runs W_UV as mla_expand_small (tensor cores, one launch, fragments straight
 # from global memory) instead of cuBLAS's batched GEMM in steps of at most EXPAND_SMALL_MAX_TOKENS rows.
 EXPAND_SMALL_ENV = "OPENINFER_MLA_EXPAND_SMALL"
@@ -710,7 +713,9 @@ def absorb_queries(blas: Cublas, q: cupy.ndarray, w_uk: cupy.ndarray, spec: MLAS
     num_tokens, heads, nope, lora = int(q.shape[0]), spec.num_heads, spec.qk_nope_dim, spec.kv_lora_rank
     q_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
     if absorb_small_fits(num_tokens, spec):
-        launch(kernel("mla.cu", "mla_absorb_small", **_decode_defines(spec)), (heads, lora // WRITE_ABSORB_COLUMNS),
+        most = ABSORB_SMALL_BUILDS[0] if num_tokens <= ABSORB_SMALL_BUILDS[0] else ABSORB_SMALL_BUILDS[1]
+        launch(kernel("mla.cu", "mla_absorb_small", **_decode_defines(spec), ABSORB_SMALL_TOKENS=most),
+               (heads, lora // WRITE_ABSORB_COLUMNS),
                (WRITE_ABSORB_THREADS,), (q, np.int32(q.strides[0] // q.itemsize), np.int32(spec.qk_head_dim),
                                          np.int32(heads), np.int32(num_tokens), w_uk, q_latent),
                after_previous=pdl())
