@@ -165,12 +165,6 @@ __device__ __forceinline__ unsigned key_pair_mask(int key, int end) {
     return (key < end ? 0x0000ffffu : 0u) | (key + 1 < end ? 0xffff0000u : 0u);
 }
 
-#ifndef TMA_FAST_SEARCH
-#define TMA_FAST_SEARCH 0  // 1: mla_split_context's sequence search (and the balance total) in one round of loads
-#endif
-#ifndef TMA_FUSED_COMBINE
-#define TMA_FUSED_COMBINE 0  // 1: the last split of a (token, head block) to finish combines the partials (below)
-#endif
 // 1: mla_write_latent folded in, for steps of one new token per sequence (token_list null, row t = step token t):
 // the split that holds the token's own position computes its latent row (RMS-normed c_kv, rotated k_pe: mla_latent_row,
 // the write kernel's sums) from kv_a, head block 0 stores it at slot_mapping[t], and the tile that holds the position
@@ -181,87 +175,6 @@ __device__ __forceinline__ unsigned key_pair_mask(int key, int end) {
 #ifndef TMA_FUSED_WRITE
 #define TMA_FUSED_WRITE 0
 #endif
-
-// TMA_FUSED_COMBINE: whether this CTA is the last of its (token, head block)'s num_splits CTAs to finish. Every
-// thread's partial writes are made visible device-wide first (fence, then the block barrier), thread 0 counts the
-// CTA on split_counts[slot] and the last one resets the count to 0 for the next launch (a captured graph replays
-// with the counts back at 0). Block-wide: every thread calls it.
-__device__ __forceinline__ bool tma_last_split(int* split_counts, int slot, int num_splits) {
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(split_counts + slot, 1) == num_splits - 1;
-        if (last) split_counts[slot] = 0;  // every other CTA of the slot has counted: nobody else touches it now
-    }
-    __syncthreads();
-    if (last) __threadfence();  // the other CTAs' partials are read after their counts (acquire side)
-    return last;
-}
-
-// mla_combine_splits_flat's sums for `heads` heads from row head_row of the partials, by one CTA (the last split's):
-// the same weights (a rounded product), the same total and the same fused multiply-adds in split order: bit-equal
-// to the combine kernels. Each head's split weights first go to `scratch` (the drained ring: [TMA_HEADS][num_splits]
-// weights, [TMA_HEADS] totals, the (max, sum) pairs, all loaded in one round), then every thread loads all splits'
-// float4 of its output dims at once. The
-// partials were written by other CTAs of this grid: read through L2 (ld.global.cg), never the read-only path. One
-// SM reads heads x num_splits x KV_LORA x 4 bytes: worth it for few splits only (core's FUSED_COMBINE_MAX_SPLITS).
-#define FUSED_COMBINE_MAX_SPLITS 8  // core's mla_decode_sm90.FUSED_COMBINE_MAX_SPLITS: launches of more splits
-                                    // never pass split_counts
-__device__ __forceinline__ void tma_combine_splits(const float* partial_o, const float* partial_ml, int num_splits,
-                                                   long long head_row, int heads, bf16* __restrict__ out,
-                                                   float* scratch) {
-    float* weights = scratch;                              // [TMA_HEADS][num_splits], < 0: an empty split
-    float* totals = scratch + TMA_HEADS * num_splits;      // [TMA_HEADS], < 0: written whole (skipped)
-    float2* ml = reinterpret_cast<float2*>(totals + TMA_HEADS);  // [TMA_HEADS][num_splits] (max, sum)
-    for (int i = threadIdx.x; i < heads * num_splits; i += TMA_THREADS)  // every (max, sum) in one round of loads
-        ml[i] = __ldcg(reinterpret_cast<const float2*>(partial_ml) + head_row * num_splits + i);
-    __syncthreads();
-    if (threadIdx.x < heads) {
-        const int h = threadIdx.x;
-        float m = -INFINITY;
-        for (int z = 0; z < num_splits; ++z)
-            if (ml[h * num_splits + z].y > 0.f) m = fmaxf(m, ml[h * num_splits + z].x);
-        float total = 0.f;  // in split order, as mla_combine_splits sums
-        for (int z = 0; z < num_splits; ++z) {
-            const float2 split = ml[h * num_splits + z];
-            const float weight = split.y > 0.f ? __fmul_rn(__expf(split.x - m), split.y) : -1.f;
-            weights[h * num_splits + z] = weight;
-            if (weight >= 0.f) total += weight;
-        }
-        totals[h] = ml[h * num_splits].x == INFINITY ? -1.f : total;  // written whole by its one split (balanced)
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < heads * (KV_LORA / 4); i += TMA_THREADS) {
-        const int h = i / (KV_LORA / 4), d = (i % (KV_LORA / 4)) * 4;
-        const float total = totals[h];
-        if (total < 0.f) continue;
-        const long long head = head_row + h;
-        const float* column = partial_o + head * num_splits * KV_LORA + d;
-        float4 o[FUSED_COMBINE_MAX_SPLITS];
-#pragma unroll
-        for (int z = 0; z < FUSED_COMBINE_MAX_SPLITS; ++z)  // every split's dims in flight at once
-            o[z] = z < num_splits && weights[h * num_splits + z] >= 0.f
-                       ? __ldcg(reinterpret_cast<const float4*>(column + (long long)z * KV_LORA))
-                       : make_float4(0.f, 0.f, 0.f, 0.f);
-        float sum[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int z = 0; z < FUSED_COMBINE_MAX_SPLITS; ++z) {
-            const float weight = z < num_splits ? weights[h * num_splits + z] : -1.f;
-            if (weight < 0.f) continue;
-            sum[0] = fmaf(weight, o[z].x, sum[0]);
-            sum[1] = fmaf(weight, o[z].y, sum[1]);
-            sum[2] = fmaf(weight, o[z].z, sum[2]);
-            sum[3] = fmaf(weight, o[z].w, sum[3]);
-        }
-        __nv_bfloat162 pairs[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-            pairs[e] = __floats2bfloat162_rn(total > 0.f ? sum[2 * e] / total : 0.f,
-                                             total > 0.f ? sum[2 * e + 1] / total : 0.f);
-        *reinterpret_cast<uint2*>(out + head * KV_LORA + d) = *reinterpret_cast<const uint2*>(pairs);
-    }
-}
 
 // grid (T, ceil(num_heads / 16), num_splits), TMA_THREADS threads, TMA_SMEM bytes of dynamic shared memory.
 // Arguments as mla_attention_mma_shared's, then the cache's tensor map (cache_map).
@@ -274,7 +187,7 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
                   int block_size, const int* __restrict__ query_start, int num_seqs,
                   const int* __restrict__ positions, int num_heads, float scale, bf16* __restrict__ out,
                   int num_splits, float* __restrict__ partial_o, float* __restrict__ partial_ml,
-                  const int* __restrict__ token_list, int balance_slots, int* __restrict__ split_counts,
+                  const int* __restrict__ token_list, int balance_slots,
                   const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __restrict__ norm_weight, float eps,
                   const int* __restrict__ slot_mapping, const float* __restrict__ cos_table,
                   const float* __restrict__ sin_table, int q_token_stride, const __grid_constant__ TensorMap cache_map) {
@@ -291,44 +204,9 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     const int heads = min(TMA_HEADS, num_heads - head0);
     const int split = blockIdx.z;
     int begin, end;
-#if TMA_FAST_SEARCH
-    // The sequence of the token and (balanced splits) the launch's total context in one round of loads and one
-    // block barrier, not a binary search's dependent loads and then a second round for the total.
-    const bool balanced = TMA_CLUSTER == 1 && balance_slots > 0 && num_splits > 1;
-    const int context = positions[step_token] + 1;
-    const int* table;
-    int total = 0;
-    {
-        __shared__ int warp_counts[TMA_WARPS][2];
-        int seq = 0;
-        const int items = balanced ? max(num_seqs, (int)gridDim.x) : num_seqs;
-        for (int i = threadIdx.x; i < items; i += TMA_THREADS) {
-            if (i >= 1 && i < num_seqs) seq += query_start[i] <= step_token;
-            if (balanced && i < gridDim.x) total += positions[token_list ? token_list[i] : i] + 1;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            seq += __shfl_xor_sync(0xffffffffu, seq, o);
-            total += __shfl_xor_sync(0xffffffffu, total, o);
-        }
-        if (lane == 0) {
-            warp_counts[warp][0] = seq;
-            warp_counts[warp][1] = total;
-        }
-        __syncthreads();
-        seq = total = 0;
-#pragma unroll
-        for (int w = 0; w < TMA_WARPS; ++w) {
-            seq += warp_counts[w][0];
-            total += warp_counts[w][1];
-        }
-        table = block_tables + (long long)seq * max_blocks_per_seq;
-    }
-#else
     const int* table = mla_split_context<TMA_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq, positions,
                                                    step_token, num_splits, split, begin, end);
     const int context = positions[step_token] + 1;
-#endif
     // TMA_FUSED_WRITE: the splits cut the cached keys (context − 1) and the last one also takes the token's own row,
     // which comes from shared memory (no copy): a decode context of n splits' whole tiles + 1 no longer rounds every
     // split up by a tile (1,025 keys over 16 splits: 64 keys each, not 96 over 11).
@@ -341,7 +219,6 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
 #if TMA_CLUSTER == 1  // (clusters never balance: their splits always combine on chip)
     bool whole = num_splits == 1;  // this split is the token's only one: o_latent written here
     if (balance_slots > 0 && num_splits > 1) {
-#if !TMA_FAST_SEARCH
         __shared__ int warp_totals[TMA_WARPS];
         int total = 0;
         for (int i = threadIdx.x; i < gridDim.x; i += TMA_THREADS) total += positions[token_list ? token_list[i] : i] + 1;
@@ -352,7 +229,6 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         total = 0;
 #pragma unroll
         for (int w = 0; w < TMA_WARPS; ++w) total += warp_totals[w];
-#endif
         const int length = max(TMA_KEYS, (total + balance_slots - 1) / balance_slots);
         const int n = min(num_splits, max(1, (split_context + length / 2) / length));
         const int per_split = ((split_context + n - 1) / n + TMA_KEYS - 1) / TMA_KEYS * TMA_KEYS;
@@ -398,11 +274,6 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
             partial_ml[(head * num_splits + split) * 2] = -INFINITY;
             partial_ml[(head * num_splits + split) * 2 + 1] = 0.f;
         }
-#if TMA_CLUSTER == 1 && TMA_FUSED_COMBINE
-        if (split_counts && tma_last_split(split_counts, t * gridDim.y + blockIdx.y, num_splits))
-            tma_combine_splits(partial_o, partial_ml, num_splits, (long long)t * num_heads + head0, heads, out,
-                               reinterpret_cast<float*>(exchange) - TMA_STAGES * TILE_BYTES / 4);
-#endif
         return;  // block-uniform
     }
     if (threadIdx.x == 0 && num_tiles > 0) {
@@ -687,10 +558,5 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
             partial_ml[(head * num_splits + split) * 2 + 1] = row_sum[r];
         }
     }
-#if TMA_FUSED_COMBINE
-    if (num_splits > 1 && split_counts && tma_last_split(split_counts, t * gridDim.y + blockIdx.y, num_splits))
-        tma_combine_splits(partial_o, partial_ml, num_splits, (long long)t * num_heads + head0, heads, out,
-                           reinterpret_cast<float*>(exchange) - TMA_STAGES * TILE_BYTES / 4);  // the drained ring
-#endif
 #endif
 }

@@ -772,7 +772,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
                   q_pe_only: bool = False, latent_write: LatentWrite | None = None
                   ) -> tuple[cupy.ndarray, SplitPartials | None]:
     """``absorbed_attention``'s attention kernel alone: ``o_latent`` (written only without splits, or combined in
-    the kernel) and the splits' partials to combine (None: none left to combine)."""
+    a cluster) and the splits' partials to combine (None: none left to combine)."""
     num_tokens = int(q.shape[0])
     name = choose_absorbed_kernel(spec.num_heads, num_tokens, absorbed_kernel)
     if name == "tma" and not mla_decode_sm90.tma_decode_fits(spec, cache):
@@ -789,7 +789,6 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     heads, lora = spec.num_heads, spec.kv_lora_rank
     o_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
     cluster = 1  # the tma kernel's CTAs per cluster (tma_cluster)
-    counts = None  # the tma kernel's fused combine counts (mla_decode_sm90.split_counts): its last split combines
     if name in ("mma_shared", "tma"):
         head_chunks = -(-heads // SHARED_HEADS)
     elif name in ("mma", "mma16"):
@@ -809,15 +808,13 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         elif mla_decode_sm90.tma_balance():
             splits = max(splits, mla_decode_sm90.BALANCE_MIN_SPLITS)
             balance_slots = max(1, blocks_per_sm * num_sms // head_chunks)
-        if cluster == 1 and 1 < splits <= mla_decode_sm90.FUSED_COMBINE_MAX_SPLITS and mla_decode_sm90.fused_combine():
-            counts = mla_decode_sm90.split_counts(num_tokens * head_chunks)
         tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, pdl() and cluster == 1,
-                                                                    counts is not None, latent_write is not None)
+                                                                    latent_write is not None)
     else:
         splits = num_splits(num_tokens, head_chunks, num_sms)
-    combined_on_chip = cluster > 1 or counts is not None  # a cluster, or the last split to finish, combines
+    combined_on_chip = cluster > 1
     partial_o = partial_ml = NULL
-    if splits > 1 and cluster == 1:
+    if splits > 1 and not combined_on_chip:
         partial_o = cupy.empty((num_tokens, heads, splits, lora), dtype=cupy.float32)
         partial_ml = cupy.empty((num_tokens, heads, splits, 2), dtype=cupy.float32)
     q_stride, q_pe_offset = (spec.qk_rope_dim, 0) if q_pe_only else (spec.qk_head_dim, spec.qk_nope_dim)
@@ -832,8 +829,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
             write_args = (w.latent, np.int32(w.latent.strides[0] // 2), w.kv_a_norm, np.float32(w.eps),
                           batch.slot_mapping, w.cos, w.sin, np.int32(q.strides[0] // 2))
         mla_decode_sm90.launch_tma_decode(tma_attention, tma_smem, (num_tokens, head_chunks, splits), args, cache,
-                                          balance_slots, after_previous=pdl() and cluster == 1, counts=counts,
-                                          write_args=write_args)
+                                          balance_slots, after_previous=pdl() and cluster == 1, write_args=write_args)
     elif name == "mma_shared":
         attention, smem = _shared_decode_kernel(spec, keys)
         launch(attention, (num_tokens, head_chunks, splits), (SHARED_THREADS,), args, smem, after_previous=pdl())
