@@ -86,7 +86,14 @@
 #define BOX_BYTES (TMA_BOX_ROWS * 128)
 #define EXCHANGE_FLOAT4S (TMA_WARPS * KEY_TILES * 32)  // each warp's partial scores, a float4 per lane and n8 tile
 #define EXCHANGE_BYTES ((1 + TMA_ONE_BARRIER) * EXCHANGE_FLOAT4S * 16)
-#define TMA_SMEM (1024 + TMA_STAGES * TILE_BYTES + EXCHANGE_BYTES + 8 * TMA_STAGES)
+// 1: the block's 16 query rows [q_latent | q_pe] staged in shared memory by 16-byte loads (coalesced: 9 per thread),
+// each warp's A fragments then by ldmatrix, instead of 36 scattered 4-byte global loads per thread. The same values.
+#ifndef TMA_Q_TILE
+#define TMA_Q_TILE 0
+#endif
+#define Q_ROW (LATENT + 8)  // bf16 per staged query row: 1,168 bytes = 73 x 16, ldmatrix rows in distinct banks
+#define Q_TILE_BYTES (TMA_Q_TILE ? 16 + TMA_HEADS * Q_ROW * 2 : 0)
+#define TMA_SMEM (1024 + TMA_STAGES * TILE_BYTES + EXCHANGE_BYTES + 8 * TMA_STAGES + Q_TILE_BYTES)
 static_assert(LATENT % 64 == 0 && (LATENT / 16) % TMA_WARPS == 0, "latent rows of whole 64-column blocks, split 4 ways");
 static_assert(KV_LORA % (16 * TMA_WARPS) == 0, "output quarters of 16-dim steps");
 static_assert(TMA_KEYS == 16 || TMA_KEYS == 32 || TMA_KEYS == 64, "tiles of 16, 32 or 64 keys");
@@ -197,6 +204,7 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
                                                  (base - (u32)__cvta_generic_to_shared(smem_raw)) +
                                                  TMA_STAGES * TILE_BYTES);  // [warp][n8 tile][lane]
     const u32 bars = base + TMA_STAGES * TILE_BYTES + EXCHANGE_BYTES;        // [stage] full barriers
+    const u32 q_tile = (bars + 8 * TMA_STAGES + 15) & ~15u;                     // TMA_Q_TILE: [16][Q_ROW] bf16
     const int t = blockIdx.x;
     const int step_token = token_list ? token_list[t] : t;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -304,7 +312,49 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
 #endif
     // this warp's query A fragments: heads group, group + 8; dims of its score steps (zeros past `heads`)
     unsigned qf[SCORE_STEPS][4];
-#if TMA_FUSED_WRITE
+#if TMA_Q_TILE
+    {
+        for (int i = threadIdx.x; i < TMA_HEADS * (LATENT / 8); i += TMA_THREADS) {
+            const int h = i / (LATENT / 8), d = (i % (LATENT / 8)) * 8;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (h < heads && d < KV_LORA) {
+                v = *reinterpret_cast<const uint4*>(q_latent + ((long long)t * num_heads + head0 + h) * KV_LORA + d);
+            } else if (h < heads) {
+#if TMA_FUSED_WRITE  // q's rope dims from the projection's rows, rotated here (8 of a half with their 8 partners)
+                const int half = ROPE_DIM / 2, r = d - KV_LORA, i0 = r < half ? r : r - half;
+                const bf16* pe = q + (long long)t * q_token_stride + (long long)(head0 + h) * q_stride + q_pe_offset;
+                const uint4 self = *reinterpret_cast<const uint4*>(pe + r);
+                const uint4 other = *reinterpret_cast<const uint4*>(pe + (r < half ? r + half : r - half));
+                const bf16* self8 = reinterpret_cast<const bf16*>(&self);
+                const bf16* other8 = reinterpret_cast<const bf16*>(&other);
+                unsigned out[4];
+#pragma unroll
+                for (int e = 0; e < 8; e += 2) {
+                    float rotated[2];
+#pragma unroll
+                    for (int k = 0; k < 2; ++k) {
+                        const float x_self = __bfloat162float(self8[e + k]), x_other = __bfloat162float(other8[e + k]);
+                        const float c = cos_row[i0 + e + k], sn = sin_row[i0 + e + k];
+                        rotated[k] = r < half ? mla_rope_pair(x_self, x_other, c, sn).x : mla_rope_pair(x_other, x_self, c, sn).y;
+                    }
+                    out[e / 2] = pack_bf16x2(rotated[0], rotated[1]);
+                }
+                v = make_uint4(out[0], out[1], out[2], out[3]);
+#else
+                v = *reinterpret_cast<const uint4*>(q + ((long long)t * num_heads + head0 + h) * q_stride + q_pe_offset +
+                                                    (d - KV_LORA));
+#endif
+            }
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(q_tile + (h * Q_ROW + d) * 2), "r"(v.x),
+                         "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+        }
+        __syncthreads();
+        const int a_row = lane & 15, a_col = 8 * (lane >> 4);  // A fragment rows (heads) and 8-dim halves
+#pragma unroll
+        for (int kk = 0; kk < SCORE_STEPS; ++kk)
+            ldmatrix_x4_at(qf[kk], q_tile + (a_row * Q_ROW + (warp * SCORE_STEPS + kk) * 16 + a_col) * 2);
+    }
+#elif TMA_FUSED_WRITE
     {  // q_latent as it is; q's rope dims from the projection's rows, rotated here
         const int half = ROPE_DIM / 2;
 #pragma unroll

@@ -772,10 +772,12 @@ def test_absorb_side_bit_equal_to_one_stream(cuda_backend, rng, monkeypatch, dec
         cuda_mla.absorb_side()
 
 
-@pytest.mark.parametrize("view,write,pdl", [("1", "0", "0"), ("0", "1", "0"), ("1", "1", "0"), ("1", "1", "1")])
-def test_tma_fused_write_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, view, write, pdl):
+@pytest.mark.parametrize("view,write,pdl,staged", [("1", "0", "0", "0"), ("0", "1", "0", "0"), ("1", "1", "0", "1"),
+                                                   ("1", "1", "1", "1")])
+def test_tma_fused_write_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, view, write, pdl, staged):
     """q read in place and the folded latent write (and with PDL, its tiles copied before the wait, W_UK by
-    mla_absorb_small) captured in a CUDA graph and replayed: the eager step's bits."""
+    mla_absorb_small; the query rows staged by 16-byte loads) captured in a CUDA graph and replayed: the eager step's
+    bits."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import mla_decode_sm90
 
@@ -786,6 +788,7 @@ def test_tma_fused_write_graph_replay_equals_eager(cuda_backend, rng, monkeypatc
     monkeypatch.setenv(cuda_mla.ABSORB_SMALL_ENV, pdl)  # with PDL: W_UK by mla_absorb_small, its weights pre-wait
     monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, view)
     monkeypatch.setenv(cuda_mla.FUSED_WRITE_ENV, write)
+    monkeypatch.setenv(mla_decode_sm90.Q_TILE_ENV, staged)
     _graph_replay_equals_eager(cuda_backend, rng, "tma")
     spec = _spec(16)
     step = ragged_mla_step(rng, spec, *_decode_rows("sixteen"), BLOCK_SIZE)
@@ -934,3 +937,44 @@ def test_absorb_small_matches_cublas(cuda_backend, rng, monkeypatch, heads, rows
     monkeypatch.setenv(cuda_mla.ABSORB_SMALL_ENV, "yes")
     with pytest.raises(ValueError, match="OPENINFER_MLA_ABSORB_SMALL"):
         cuda_mla.absorb_small_fits(1, spec)
+
+
+@pytest.mark.parametrize("heads", [16, 20, 64])
+@pytest.mark.parametrize("step", ["decodes", "sixteen", "one", "chunks"])
+@pytest.mark.parametrize("write,tile", [("0", "32x2"), ("1", "32x2"), ("1", "16x5"), ("0", "16x4/1")])
+def test_tma_staged_queries_bit_equal(cuda_backend, rng, monkeypatch, heads, step, write, tile):
+    """$OPENINFER_MLA_TMA_Q_TILE=1: mla_attention_tma stages its 16 query rows in shared memory by 16-byte loads (with
+    the fused write: q's rope dims rotated on the way) and takes the A fragments by ldmatrix: the plain loads' bits,
+    with q and the latent as row views of one fused buffer; a bad value is a clear error."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    _set_tma_tile(monkeypatch, tile)
+    monkeypatch.setenv(cuda_mla.FUSED_WRITE_ENV, write)
+    monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, "1")
+    spec = _spec(heads)
+    cached, new = {"decodes": DECODES["ragged"], "one": ([704], [1]),
+                   "chunks": ([40, 100, 33, 64], [3, 5, 2, 1])}.get(step) or _decode_rows(step)
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
+    fused = cuda_backend.upload(np.concatenate([q, latent], axis=1))
+    width = q.shape[1]
+    args = (cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv), cuda_backend.weight(norm), spec,
+            cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos), cupy.asarray(rope.sin), 1e-6)
+    outs = {}
+    for staged in ("0", "1"):
+        monkeypatch.setenv(mla_decode_sm90.Q_TILE_ENV, staged)
+        device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+        _poison_unused_slots(device_cache, batch)
+        out = cuda_mla.mla_forward(cuda_backend.blas, fused[:, :width], fused[:, width:], device_cache, *args,
+                                   absorbed_kernel="tma")
+        outs[staged] = (out.get(), device_cache.get())
+    assert np.array_equal(outs["1"][0], outs["0"][0])
+    assert np.array_equal(outs["1"][1], outs["0"][1])
+    out = cuda_backend.to_host(cupy.asarray(outs["1"][0]))
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], reference[row]) < BF16_TOL, row
+    monkeypatch.setenv(mla_decode_sm90.Q_TILE_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_Q_TILE"):
+        mla_decode_sm90.q_tile()

@@ -785,6 +785,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         w = latent_write
         q = write_latent_q_pe(q, w.latent, cache, w.kv_a_norm, spec, batch, w.cos, w.sin, w.eps)
         q_pe_only, latent_write = True, None
+    q_layout = (spec.qk_rope_dim, 0) if q_pe_only else (spec.qk_head_dim, spec.qk_nope_dim)  # q's head stride, q_pe
     blocks_of_16 = name == "mma16" or (name == "mma" and heads16())
     heads, lora = spec.num_heads, spec.kv_lora_rank
     o_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
@@ -808,8 +809,9 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         elif mla_decode_sm90.tma_balance():
             splits = max(splits, mla_decode_sm90.BALANCE_MIN_SPLITS)
             balance_slots = max(1, blocks_per_sm * num_sms // head_chunks)
+        staged_q = mla_decode_sm90.q_tile() and mla_decode_sm90.q_tile_fits(q, *q_layout)
         tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, pdl() and cluster == 1,
-                                                                    latent_write is not None)
+                                                                    latent_write is not None, staged_q)
     else:
         splits = num_splits(num_tokens, head_chunks, num_sms)
     combined_on_chip = cluster > 1
@@ -817,8 +819,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     if splits > 1 and not combined_on_chip:
         partial_o = cupy.empty((num_tokens, heads, splits, lora), dtype=cupy.float32)
         partial_ml = cupy.empty((num_tokens, heads, splits, 2), dtype=cupy.float32)
-    q_stride, q_pe_offset = (spec.qk_rope_dim, 0) if q_pe_only else (spec.qk_head_dim, spec.qk_nope_dim)
-    args = (q_latent, q, np.int32(q_stride), np.int32(q_pe_offset), cache, batch.block_tables,
+    args = (q_latent, q, np.int32(q_layout[0]), np.int32(q_layout[1]), cache, batch.block_tables,
             np.int32(batch.block_tables.shape[1]), np.int32(cache.shape[1]), batch.query_start, np.int32(batch.num_seqs),
             batch.positions, np.int32(heads), np.float32(spec.scale), o_latent, np.int32(splits), partial_o,
             partial_ml, NULL if token_rows is None else token_rows)

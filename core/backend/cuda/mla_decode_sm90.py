@@ -116,11 +116,36 @@ def tma_row_boxes() -> bool:
     return text == "1"
 
 
-def tma_decode_smem(spec: MLASpec, keys: int, stages: int, one_barrier: bool = False) -> int:
+def tma_decode_smem(spec: MLASpec, keys: int, stages: int, one_barrier: bool = False, q_tile: bool = False) -> int:
     """mla_decode_sm90.cu TMA_SMEM (+ 16 bytes of static balance sums): 1 KB of alignment, the ring, the warps'
-    partial scores (twice with one barrier per tile), the barriers."""
+    partial scores (twice with one barrier per tile), the barriers, and with ``q_tile`` the staged query rows."""
     tile = spec.latent_dim // BOX_ELEMENTS * keys * 128
-    return 1024 + stages * tile + (1 + one_barrier) * TMA_WARPS * (keys // 8) * 32 * 16 + 8 * stages
+    staged = 16 + TMA_HEADS * (spec.latent_dim + 8) * 2 if q_tile else 0
+    return 1024 + stages * tile + (1 + one_barrier) * TMA_WARPS * (keys // 8) * 32 * 16 + 8 * stages + staged
+
+
+# Opt-in until a device A/B ($OPENINFER_MLA_TMA_Q_TILE=1): the block's 16 query rows [q_latent | q_pe] are staged in
+# shared memory by 16-byte loads (9 a thread, coalesced) and each warp's A fragments taken by ldmatrix (TMA_Q_TILE),
+# not 36 scattered 4-byte global loads a thread (~37 MB of L2 sectors a Moonlight b16 layer: 256 CTAs x 4,608
+# loads). 18.7 KB more shared memory a block (still 2 a SM). The same fragments, the same bits. Where q's rows are
+# not 16-byte aligned the plain loads run.
+Q_TILE_ENV = "OPENINFER_MLA_TMA_Q_TILE"
+DEFAULT_Q_TILE = False
+
+
+def q_tile() -> bool:
+    """$OPENINFER_MLA_TMA_Q_TILE (0 / 1; unset: DEFAULT_Q_TILE; another value: a clear error)."""
+    text = os.environ.get(Q_TILE_ENV) or str(int(DEFAULT_Q_TILE))
+    if text not in ("0", "1"):
+        raise ValueError(f"{Q_TILE_ENV} is 0 or 1; got {text!r}")
+    return text == "1"
+
+
+def q_tile_fits(q: cupy.ndarray, q_stride: int, q_pe_offset: int) -> bool:
+    """Whether q's rope dims can be staged by 16-byte loads: its address, row stride, head stride and offset in
+    whole 16 bytes (2-byte elements)."""
+    return (int(q.data.ptr) % 16 == 0 and q.strides[0] % 16 == 0 and (2 * q_stride) % 16 == 0
+            and (2 * q_pe_offset) % 16 == 0)
 
 
 def tma_blocks_per_sm(smem: int) -> int:
@@ -176,7 +201,7 @@ def cache_map(cache: cupy.ndarray, row_boxes: bool = False) -> np.ndarray:
 
 def tma_blocks_per_sm_of(spec: MLASpec) -> int:
     """Resident blocks per SM of the current tile choice."""
-    return tma_blocks_per_sm(tma_decode_smem(spec, *tma_tile(), tma_one_barrier()))
+    return tma_blocks_per_sm(tma_decode_smem(spec, *tma_tile(), tma_one_barrier(), q_tile()))
 
 
 # Opt-in, not measured at model level ($OPENINFER_MLA_PDL_EARLY_TILES=1, with $OPENINFER_MLA_PDL; s12 D1 measured the
@@ -197,17 +222,19 @@ def early_tiles() -> bool:
     return text == "1"
 
 
-def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False, write: bool = False) -> tuple[object, int]:
+def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False, write: bool = False,
+                      staged_q: bool = False) -> tuple[object, int]:
     """The compiled kernel for the current tile choice and ``cluster`` (tma_cluster), and its shared memory;
     ``pdl``: built with MLA_PDL (core's $OPENINFER_MLA_PDL, programmatic dependent launch), and with
-    MLA_PDL_EARLY_TILES where ``early_tiles``; ``write``: with TMA_FUSED_WRITE (the latent write and q's rope folded in: core's $OPENINFER_MLA_FUSED_WRITE)."""
+    MLA_PDL_EARLY_TILES where ``early_tiles``; ``write``: with TMA_FUSED_WRITE (the latent write and q's rope folded
+    in: core's $OPENINFER_MLA_FUSED_WRITE); ``staged_q``: with TMA_Q_TILE (``q_tile``)."""
     keys, stages = tma_tile()
     one_barrier = tma_one_barrier()
-    smem = tma_decode_smem(spec, keys, stages, one_barrier)
+    smem = tma_decode_smem(spec, keys, stages, one_barrier, staged_q)
     attention = arch_kernel("mla_decode_sm90.cu", "mla_attention_tma", "sm_90a", smem, KV_LORA=spec.kv_lora_rank,
                             ROPE_DIM=spec.qk_rope_dim, TMA_KEYS=keys, TMA_STAGES=stages, TMA_CLUSTER=cluster,
                             TMA_ONE_BARRIER=int(one_barrier), TMA_ROW_BOXES=int(tma_row_boxes()),
-                            **({"TMA_FUSED_WRITE": 1} if write else {}),
+                            **({"TMA_FUSED_WRITE": 1} if write else {}), **({"TMA_Q_TILE": 1} if staged_q else {}),
                             **({"MLA_PDL": 1, **({"MLA_PDL_EARLY_TILES": 1} if early_tiles() else {})} if pdl else {}))
     ptr = getattr(attention, "ptr", None)  # None: a discover_kernels stand-in
     if cluster > 8 and ptr is not None and ptr not in _non_portable_allowed:
