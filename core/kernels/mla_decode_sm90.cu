@@ -300,60 +300,44 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     const bool own_row = end == own_position + 1;  // this split holds the token's own position (block-uniform)
     const float* cos_row = cos_table + (long long)own_position * (ROPE_DIM / 2);
     const float* sin_row = sin_table + (long long)own_position * (ROPE_DIM / 2);
-    if (own_row) {  // computed while the first tiles are in flight
-        mla_latent_row(kv_a + (long long)step_token * kv_a_stride, norm_weight, eps, cos_row, sin_row, own_latent, true,
-                       own_scratch);
-        __syncthreads();
-        const int slot = slot_mapping[step_token];
-        if (blockIdx.y == 0 && slot >= 0 && threadIdx.x < LATENT / 8)  // the cache is written here, never read
-            reinterpret_cast<uint4*>(const_cast<bf16*>(cache) + (long long)slot * LATENT)[threadIdx.x] =
-                reinterpret_cast<const uint4*>(own_latent)[threadIdx.x];
-    }
 #endif
     // this warp's query A fragments: heads group, group + 8; dims of its score steps (zeros past `heads`)
     unsigned qf[SCORE_STEPS][4];
 #if TMA_Q_TILE
-    {
-        for (int i = threadIdx.x; i < TMA_HEADS * (LATENT / 8); i += TMA_THREADS) {
-            const int h = i / (LATENT / 8), d = (i % (LATENT / 8)) * 8;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (h < heads && d < KV_LORA) {
-                v = *reinterpret_cast<const uint4*>(q_latent + ((long long)t * num_heads + head0 + h) * KV_LORA + d);
-            } else if (h < heads) {
-#if TMA_FUSED_WRITE  // q's rope dims from the projection's rows, rotated here (8 of a half with their 8 partners)
-                const int half = ROPE_DIM / 2, r = d - KV_LORA, i0 = r < half ? r : r - half;
-                const bf16* pe = q + (long long)t * q_token_stride + (long long)(head0 + h) * q_stride + q_pe_offset;
-                const uint4 self = *reinterpret_cast<const uint4*>(pe + r);
-                const uint4 other = *reinterpret_cast<const uint4*>(pe + (r < half ? r + half : r - half));
-                const bf16* self8 = reinterpret_cast<const bf16*>(&self);
-                const bf16* other8 = reinterpret_cast<const bf16*>(&other);
-                unsigned out[4];
+    // the 16 query rows' global loads first, all in flight (q_latent: 8 x 16 bytes a thread; q_pe: one 16-byte piece
+    // a thread, with its rope partner under the fused write), stored to shared memory after the own row
+    constexpr int Q_ITEMS = TMA_HEADS * (KV_LORA / 8) / TMA_THREADS;
+    static_assert(TMA_HEADS * (KV_LORA / 8) % TMA_THREADS == 0 && TMA_HEADS * (ROPE_DIM / 8) == TMA_THREADS,
+                  "whole 16-byte pieces of the query rows per thread");
+    uint4 staged[Q_ITEMS];
 #pragma unroll
-                for (int e = 0; e < 8; e += 2) {
-                    float rotated[2];
-#pragma unroll
-                    for (int k = 0; k < 2; ++k) {
-                        const float x_self = __bfloat162float(self8[e + k]), x_other = __bfloat162float(other8[e + k]);
-                        const float c = cos_row[i0 + e + k], sn = sin_row[i0 + e + k];
-                        rotated[k] = r < half ? mla_rope_pair(x_self, x_other, c, sn).x : mla_rope_pair(x_other, x_self, c, sn).y;
-                    }
-                    out[e / 2] = pack_bf16x2(rotated[0], rotated[1]);
-                }
-                v = make_uint4(out[0], out[1], out[2], out[3]);
-#else
-                v = *reinterpret_cast<const uint4*>(q + ((long long)t * num_heads + head0 + h) * q_stride + q_pe_offset +
-                                                    (d - KV_LORA));
-#endif
-            }
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(q_tile + (h * Q_ROW + d) * 2), "r"(v.x),
-                         "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-        }
-        __syncthreads();
-        const int a_row = lane & 15, a_col = 8 * (lane >> 4);  // A fragment rows (heads) and 8-dim halves
-#pragma unroll
-        for (int kk = 0; kk < SCORE_STEPS; ++kk)
-            ldmatrix_x4_at(qf[kk], q_tile + (a_row * Q_ROW + (warp * SCORE_STEPS + kk) * 16 + a_col) * 2);
+    for (int k = 0; k < Q_ITEMS; ++k) {
+        const int i = threadIdx.x + k * TMA_THREADS, h = i / (KV_LORA / 8), d = (i % (KV_LORA / 8)) * 8;
+        staged[k] = h < heads ? *reinterpret_cast<const uint4*>(q_latent + ((long long)t * num_heads + head0 + h) *
+                                                                KV_LORA + d)
+                              : make_uint4(0u, 0u, 0u, 0u);
     }
+    const int pe_head = threadIdx.x / (ROPE_DIM / 8), pe_dim = (threadIdx.x % (ROPE_DIM / 8)) * 8;
+    uint4 pe_self = make_uint4(0u, 0u, 0u, 0u);
+#if TMA_FUSED_WRITE
+    uint4 pe_other = make_uint4(0u, 0u, 0u, 0u);
+    const int half = ROPE_DIM / 2, pe_pair = pe_dim < half ? pe_dim : pe_dim - half;
+    float pe_cos[8], pe_sin[8];
+    if (pe_head < heads) {
+        const bf16* pe = q + (long long)t * q_token_stride + (long long)(head0 + pe_head) * q_stride + q_pe_offset;
+        pe_self = *reinterpret_cast<const uint4*>(pe + pe_dim);
+        pe_other = *reinterpret_cast<const uint4*>(pe + (pe_dim < half ? pe_dim + half : pe_dim - half));
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        pe_cos[e] = cos_row[pe_pair + e];
+        pe_sin[e] = sin_row[pe_pair + e];
+    }
+#else
+    if (pe_head < heads)
+        pe_self = *reinterpret_cast<const uint4*>(q + ((long long)t * num_heads + head0 + pe_head) * q_stride +
+                                                  q_pe_offset + pe_dim);
+#endif
 #elif TMA_FUSED_WRITE
     {  // q_latent as it is; q's rope dims from the projection's rows, rotated here
         const int half = ROPE_DIM / 2;
@@ -402,6 +386,55 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
                 qf[kk][part] = valid ? *reinterpret_cast<const unsigned*>(src) : 0u;
             }
         }
+    }
+#endif
+#if TMA_FUSED_WRITE
+    if (own_row) {  // computed while the first tiles and the query loads are in flight
+        mla_latent_row(kv_a + (long long)step_token * kv_a_stride, norm_weight, eps, cos_row, sin_row, own_latent, true,
+                       own_scratch);
+        __syncthreads();
+        const int slot = slot_mapping[step_token];
+        if (blockIdx.y == 0 && slot >= 0 && threadIdx.x < LATENT / 8)  // the cache is written here, never read
+            reinterpret_cast<uint4*>(const_cast<bf16*>(cache) + (long long)slot * LATENT)[threadIdx.x] =
+                reinterpret_cast<const uint4*>(own_latent)[threadIdx.x];
+    }
+#endif
+#if TMA_Q_TILE
+    {
+#pragma unroll
+        for (int k = 0; k < Q_ITEMS; ++k) {
+            const int i = threadIdx.x + k * TMA_THREADS, h = i / (KV_LORA / 8), d = (i % (KV_LORA / 8)) * 8;
+            const uint4 v = staged[k];
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(q_tile + (h * Q_ROW + d) * 2), "r"(v.x),
+                         "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+        }
+        uint4 v = pe_self;
+#if TMA_FUSED_WRITE  // q's rope dims rotated on the way (8 of a half with their 8 partners)
+        {
+            const bf16* self8 = reinterpret_cast<const bf16*>(&pe_self);
+            const bf16* other8 = reinterpret_cast<const bf16*>(&pe_other);
+            unsigned out[4];
+#pragma unroll
+            for (int e = 0; e < 8; e += 2) {
+                float rotated[2];
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    const float x_self = __bfloat162float(self8[e + k]), x_other = __bfloat162float(other8[e + k]);
+                    rotated[k] = pe_dim < half ? mla_rope_pair(x_self, x_other, pe_cos[e + k], pe_sin[e + k]).x
+                                               : mla_rope_pair(x_other, x_self, pe_cos[e + k], pe_sin[e + k]).y;
+                }
+                out[e / 2] = pack_bf16x2(rotated[0], rotated[1]);
+            }
+            v = pe_head < heads ? make_uint4(out[0], out[1], out[2], out[3]) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#endif
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(q_tile + (pe_head * Q_ROW + KV_LORA + pe_dim) * 2),
+                     "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+        __syncthreads();
+        const int a_row = lane & 15, a_col = 8 * (lane >> 4);  // A fragment rows (heads) and 8-dim halves
+#pragma unroll
+        for (int kk = 0; kk < SCORE_STEPS; ++kk)
+            ldmatrix_x4_at(qf[kk], q_tile + (a_row * Q_ROW + (warp * SCORE_STEPS + kk) * 16 + a_col) * 2);
     }
 #endif
     float acc[OUT_DIMS / 8][4];

@@ -809,7 +809,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         elif mla_decode_sm90.tma_balance():
             splits = max(splits, mla_decode_sm90.BALANCE_MIN_SPLITS)
             balance_slots = max(1, blocks_per_sm * num_sms // head_chunks)
-        staged_q = mla_decode_sm90.q_tile() and mla_decode_sm90.q_tile_fits(q, *q_layout)
+        staged_q = mla_decode_sm90.q_tile() and mla_decode_sm90.q_tile_fits(spec, q, *q_layout)
         tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, pdl() and cluster == 1,
                                                                     latent_write is not None, staged_q)
     else:

@@ -141,11 +141,13 @@ def q_tile() -> bool:
     return text == "1"
 
 
-def q_tile_fits(q: cupy.ndarray, q_stride: int, q_pe_offset: int) -> bool:
-    """Whether q's rope dims can be staged by 16-byte loads: its address, row stride, head stride and offset in
-    whole 16 bytes (2-byte elements)."""
+def q_tile_fits(spec: MLASpec, q: cupy.ndarray, q_stride: int, q_pe_offset: int) -> bool:
+    """Whether the query rows can be staged by 16-byte loads (TMA_Q_TILE): q's address, row stride, head stride and
+    offset in whole 16 bytes (2-byte elements), the latent in whole 16-byte pieces per thread and one piece of the
+    rope dims per thread (TMA_HEADS x rope / 8 == TMA_THREADS)."""
     return (int(q.data.ptr) % 16 == 0 and q.strides[0] % 16 == 0 and (2 * q_stride) % 16 == 0
-            and (2 * q_pe_offset) % 16 == 0)
+            and (2 * q_pe_offset) % 16 == 0 and TMA_HEADS * spec.kv_lora_rank // 8 % TMA_THREADS == 0
+            and TMA_HEADS * spec.qk_rope_dim // 8 == TMA_THREADS)
 
 
 def tma_blocks_per_sm(smem: int) -> int:
