@@ -247,6 +247,10 @@ SAME_BITS_SWITCHES = {
     "l2_ahead8": ({}, {ROTATE: "1", "OPENINFER_MOE_SM90_L2_AHEAD": "8"}),
     "b_first": ({}, {ROTATE: "1", "OPENINFER_MOE_SM90_B_FIRST": "1"}),
     "l2_ahead6_b_first": ({}, {ROTATE: "1", "OPENINFER_MOE_SM90_L2_AHEAD": "6", "OPENINFER_MOE_SM90_B_FIRST": "1"}),
+    # the weight boxes copied with an L2 evict-first policy, rotated and stream-K too
+    "evict_first": ({}, {"OPENINFER_MOE_SM90_EVICT_FIRST": "1"}),
+    "evict_first_rotated": ({}, {ROTATE: "1", "OPENINFER_MOE_SM90_EVICT_FIRST": "1"}),
+    "evict_first_sk": ({"OPENINFER_MOE_SM90_SHAPE": "m64_n128_s4_x2_sk"}, {"OPENINFER_MOE_SM90_EVICT_FIRST": "1"}),
 }
 
 
@@ -317,6 +321,7 @@ BAD_SWITCH_VALUES = [
     ("moe_sm90", "GATE_UP_PDL_ENV", "sometimes", lambda m: m.gate_up_pdl()),
     ("moe_sm90", "L2_AHEAD_ENV", "lots", lambda m: m.l2_ahead()),
     ("moe_sm90", "B_FIRST_ENV", "2", lambda m: m.b_first()),
+    ("moe_sm90", "EVICT_FIRST_ENV", "sometimes", lambda m: m.evict_first_wanted()),
     ("moe", "COMBINE_PDL_ENV", "sometimes", lambda m: m.combine_pdl_wanted()),
     ("moe", "COMBINE_VEC_ENV", "sometimes", lambda m: m.combine_vec_wanted(16)),
     ("moe", "COMBINE_NORM_ENV", "sometimes", lambda m: m.combine_norm_wanted(16)),

@@ -219,6 +219,21 @@ def b_first(slots_per_expert: float = 0.0) -> bool:
     return text == "1"
 
 
+# OPENINFER_MOE_SM90_EVICT_FIRST (opt-in A/B; =1 on): the weight boxes copied with an L2 evict-first policy (moe_sm90.cu
+# SM90_EVICT_FIRST), so a layer's ~0.9 GB of expert weights streaming through L2 stop evicting the small arrays the
+# kernels right after the MoE read back (residual, combine rows, norm weights). Single CTAs, no L2 look-ahead; a hint:
+# the same bits.
+EVICT_FIRST_ENV = "OPENINFER_MOE_SM90_EVICT_FIRST"
+
+
+def evict_first_wanted() -> bool:
+    """$OPENINFER_MOE_SM90_EVICT_FIRST (1 / 0, unset: off; another value: a clear error)."""
+    value = os.environ.get(EVICT_FIRST_ENV, "").lower()
+    if value not in ("", "0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{EVICT_FIRST_ENV} must be 1 or 0 (on / off), got {value!r}")
+    return value in ("1", "true", "on")
+
+
 def sm90_pdl() -> bool:
     """$OPENINFER_MOE_SM90_PDL ("1"/"on" or "0"/"off"; unset: DEFAULT_SM90_PDL)."""
     value = os.environ.get(SM90_PDL_ENV, "").lower()
@@ -365,10 +380,10 @@ def rotated_units(last_experts: int):
 
 
 def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl: int = 0, rotate: int = 0,
-                ahead: int = 0, weights_first: bool = False):
+                ahead: int = 0, weights_first: bool = False, evict_first: bool = False):
     """The moe_grouped_gemm_sm90 build for ``tiles`` (arch_kernel: compiled once; a dry run records it); ``pdl``
     (moe_sm90.cu SM90_PDL): 0 none, 1 (or True) weights before the wait, 2 the wait first; ``ahead``: SM90_L2_AHEAD;
-    ``weights_first``: SM90_B_FIRST."""
+    ``weights_first``: SM90_B_FIRST; ``evict_first``: SM90_EVICT_FIRST."""
     # the default build keeps its define set as before the shapes existed
     extra = {} if tiles == SM90_SHAPES["base"] else {
         "SM90_TILE_M": tiles.tile_m, "SM90_TILE_N": tiles.tile_n, "SM90_SKIP_EMPTY": int(tiles.skip_empty),
@@ -387,6 +402,10 @@ def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl:
         extra["SM90_L2_AHEAD"] = int(ahead)
     if weights_first:
         extra["SM90_B_FIRST"] = 1
+    if evict_first:
+        if multicast or ahead:
+            raise ValueError("moe_sm90's evict-first build runs single CTAs without the L2 look-ahead")
+        extra["SM90_EVICT_FIRST"] = 1
     return arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", tiles.shared_bytes(), SM90_STAGES=tiles.stages,
                        SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast), **extra)
 
@@ -425,7 +444,7 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     per_expert = num_slots / weight.num_experts
     ahead = l2_ahead(per_expert) if not (multicast or tiles.stream_k) else 0
     fn = sm90_kernel(tiles, fuse_silu, multicast, pdl, _rotate_units if _rotate_units < weight.num_experts else 0,
-                     ahead, b_first(per_expert))
+                     ahead, b_first(per_expert), evict_first_wanted() and not (multicast or ahead))
     grid = sm90_grid(num_slots, weight, fuse_silu, multicast, tiles)
     args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
             weight_maps.get(weight, tiles.tile_n // 2), grouping.offsets, np.int32(weight.num_experts), out,
