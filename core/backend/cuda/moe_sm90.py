@@ -343,22 +343,22 @@ def sm90_grid(num_slots: int, weight: ExpertLinear, fuse_silu: bool, multicast: 
 _workspaces: dict[tuple[int, int, bool, bool], tuple[cupy.ndarray, cupy.ndarray]] = {}
 
 
-def _stream_k_workspace(fuse_silu: bool, gather: bool, partial_floats: int) -> tuple[cupy.ndarray, cupy.ndarray] | None:
-    """The stream-K flags and fp32 partials of launches like this one (device, stream, projection), kept across
-    launches. The flags are zeros, and left zeros by every launch (moe_sm90.cu), so no memset sits between gate_up and
-    down; the partials are the launch's own while it runs, never a pool block the launch before (which PDL lets
-    run beside it: gate_up before down) may still write. None while a graph is being captured and no big enough
-    workspace exists (the flags cannot be zeroed then)."""
+def _stream_k_workspace(fuse_silu: bool, gather: bool) -> tuple[cupy.ndarray, cupy.ndarray] | None:
+    """The stream-K flags and fp32 partials of launches like this one (device, stream, projection), made once for
+    every shape's largest grid and kept (graphs captured with them replay on them). The flags are zeros, and left zeros
+    by every launch (moe_sm90.cu), so no memset sits between gate_up and down; the partials are the launch's own
+    while it runs, never a pool block the launch before (which PDL lets run beside it: gate_up before down) may still
+    write. None while a graph is being captured and none exists yet (the flags cannot be zeroed then)."""
     stream = cupy.cuda.get_current_stream()
     key = (cupy.cuda.Device().id, stream.ptr, fuse_silu, gather)
     found = _workspaces.get(key)
-    if found is None or found[1].size < partial_floats:
+    if found is None:
         if stream.is_capturing():
             return None
-        # a flag per CTA of the largest grid: SMs x the most CTAs per SM of any shape
-        most = max(shape.ctas_per_sm for shape in SM90_SHAPES.values())
-        flags = found[0] if found is not None else cupy.zeros(_device_traits(key[0])[1] * most, dtype=cupy.int32)
-        found = _workspaces[key] = (flags, cupy.empty(partial_floats, dtype=cupy.float32))
+        # a flag and a tile of fp32 partials per CTA of the largest grid: SMs x the most CTAs per SM of any shape
+        ctas = _device_traits(key[0])[1] * max(shape.ctas_per_sm for shape in SM90_SHAPES.values())
+        tile = max(shape.tile_m * shape.tile_n for shape in SM90_SHAPES.values())
+        found = _workspaces[key] = (cupy.zeros(ctas, dtype=cupy.int32), cupy.empty(ctas * tile, dtype=cupy.float32))
     return found
 
 
@@ -450,10 +450,10 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
             weight_maps.get(weight, tiles.tile_n // 2), grouping.offsets, np.int32(weight.num_experts), out,
             np.int32(weight.out_features), np.int32(weight.in_features))
     if tiles.stream_k:  # each CTA's part of a unit cut at its start (fp32, fragment order), and its flag
-        partial_floats = grid * tiles.tile_m * tiles.tile_n
-        workspace = _stream_k_workspace(fuse_silu, gather, partial_floats)
+        workspace = _stream_k_workspace(fuse_silu, gather)
         if workspace is None:  # first met inside a graph capture: its own (a memset node before it; not overlapped)
-            workspace = (cupy.zeros(grid, dtype=cupy.int32), cupy.empty(partial_floats, dtype=cupy.float32))
+            workspace = (cupy.zeros(grid, dtype=cupy.int32),
+                         cupy.empty(grid * tiles.tile_m * tiles.tile_n, dtype=cupy.float32))
             overlap_previous = False
         flags, partials = workspace
         args += (partials, flags)
