@@ -30,6 +30,7 @@ import cupy
 import numpy as np
 
 from openinfer import OpenInferError
+from openinfer.backend.cuda.weight_upload import upload_vector
 from openinfer_deepseek_v4 import cuda_ops
 from openinfer_deepseek_v4.config import SLIDING
 from openinfer_deepseek_v4.cuda_experts import DeviceMoELayer, device_layer, moe_layer
@@ -43,7 +44,8 @@ def bf16_to_f32(x: cupy.ndarray) -> cupy.ndarray:
 
 
 def _f32(array: Any) -> cupy.ndarray:
-    return cupy.asarray(np.ascontiguousarray(array, np.float32))
+    """A weight kept in fp32 (copied off the legacy stream: core's ``upload_vector``)."""
+    return upload_vector(array, np.float32)
 
 
 @dataclass

@@ -128,6 +128,7 @@ import cupy
 import numpy as np
 
 from openinfer.backend.cuda import loader
+from openinfer.backend.cuda.weight_upload import upload_vector
 from openinfer_qwen35.config import Qwen35Config
 from openinfer_qwen35.gated_deltanet import CHUNK_SIZE, chunk_layout
 from openinfer_qwen35.kernel_plan import KernelPlan
@@ -1276,29 +1277,11 @@ def add_rms_norm(x: cupy.ndarray, residual: cupy.ndarray, weight: cupy.ndarray,
     return out, summed
 
 
-@functools.cache
-def _vector_stream(device_id: int) -> cupy.cuda.Stream:
-    with cupy.cuda.Device(device_id):
-        return cupy.cuda.Stream(non_blocking=True)
-
-
-def _fp32_device(array: np.ndarray) -> cupy.ndarray:
-    """A small fp32 vector (norm weights, the GDN decay parameters) on the device, copied on a
-    non-blocking stream of its own: on the legacy default stream each copy waited for every weight
-    copy in flight (113 vectors x ~30 ms = 3.3 s of the 4B shape's load, D1 2026-11-24)."""
-    host = np.ascontiguousarray(array, dtype=np.float32)
-    stream = _vector_stream(cupy.cuda.Device().id)
-    with stream:
-        device = cupy.asarray(host)
-    stream.synchronize()
-    return device
-
-
 CUDA_PLAN = KernelPlan(
     backend="cuda",
     sigmoid_mul=sigmoid_mul,
     delta_net=delta_net,
-    fp32_vector=_fp32_device,
+    fp32_vector=functools.partial(upload_vector, dtype=np.float32),  # kept fp32: copied off the legacy stream
     conv_state_dtype="bfloat16",
     step_sequences=device_sequences,
     prepare_split=prepare_split,
@@ -1307,5 +1290,5 @@ CUDA_PLAN = KernelPlan(
     warm_up=warm_up, start_builds=start_builds,
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,
-    norm_weight=_fp32_device,
+    norm_weight=functools.partial(upload_vector, dtype=np.float32),
 )
