@@ -659,36 +659,11 @@ def start_builds(config: Qwen35Config) -> int:
 def warm_up(config: Qwen35Config) -> None:
     """Compile the kernels this config runs (in parallel, or wait for ``start_builds``' builds) and
     allocate the decode counters — before any CUDA graph capture, which must neither compile nor
-    allocate outside its pool."""
-    kernels = start_up_kernels(config)
-    loader.compile_kernels([_kernel_key(*found) for found in kernels], cupy.cuda.Device().id)
-    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    if chunked_supported(config):  # the kernels taking more than 48 KiB of shared memory opt in once
-        for name in ("gdn_chunk_prepare", *STAGED_PREPARE_KERNELS):
-            kernel(name, dk, chunk_prepare_shared_bytes(dk, dv, name in STAGED_PREPARE_KERNELS))
-        kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
-        for suffix in ("", SNAPSHOT_WALK_SUFFIX):
-            kernel("gdn_chunk_states" + suffix, dk, chunk_states_shared_bytes(dk))
-            if dk <= REGISTER_STATES_MAX_KEY_HEAD_DIM:
-                kernel("gdn_chunk_states_registers" + suffix, dk, chunk_states_registers_shared_bytes(dk, dv))
-        kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
-        kernel("gdn_chunk_output_norm", dk, chunk_output_shared_bytes(dk))
-        chosen_prefill = prefill_kernels(config, 8)
-        prepare = chosen_prefill.prepare
-        if prepare == FP32_PREPARE_KERNEL and dk <= FP32_CHUNKED_MAX_KEY_HEAD_DIM:
-            prepare_bytes, walk_bytes = chunked_fp32_shared_bytes(dk, dv)
-            kernel(FP32_PREPARE_KERNEL, dk, prepare_bytes)
-            kernel("gdn_chunk_walk_fp32", dk, walk_bytes)
-        if prepare in SPLIT_PREPARE_KERNELS:
-            walk = chosen_prefill.states if chosen_prefill.states in SPLIT_WALK_KERNELS else SPLIT_WALK_KERNELS[0]
-            prepare_bytes, walk_bytes = chunked_split_shared_bytes(dk, dv, walk)
-            kernel(prepare, dk, prepare_bytes)
-            kernel(walk, dk, walk_bytes)
+    allocate outside its pool. A kernel taking more than 48 KiB of dynamic shared memory opts in
+    where ``kernel`` first makes its handle for a launch (a function attribute, no stream work:
+    allowed inside a capture)."""
+    loader.compile_kernels([_kernel_key(*found) for found in start_up_kernels(config)], cupy.cuda.Device().id)
     if fused_decode_supported(config):
-        chosen = decode_kernel(config)
-        for name in DECODE_KERNELS.values():
-            if name != DECODE_KERNELS["bulk"] or chosen == name:
-                _decode_function(name, config)
         arrival_counters(config)
 
 
