@@ -95,7 +95,7 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
 
 FAST_PREFILL_CHOICES = ("split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma", "grouped_conv",
                         "grouped_out", "grouped_staged", "grouped_coalesced", "grouped_f16", "chunked_split",
-                        "chunked_split_f16", "chunked_split_f16_x3", "chunked_split_f16_pipe")
+                        "chunked_split_f16")
 
 
 @pytest.fixture(params=["chunked", "recurrent", *FAST_PREFILL_CHOICES])
@@ -110,8 +110,7 @@ def kernels(request, monkeypatch):
     grouped_conv (that with the conv1d inside the prepare), grouped_out (that with the staged output kernel)
     and the default, grouped_staged (grouped_mma with the staged output kernel), grouped_f16 (that with
     fp16 operands), chunked_split (bf16 hi/mid/lo operand splits: products of about fp32's precision) and
-    chunked_split_f16 (fp16 hi / lo parts), chunked_split_f16_x3 (that at 3 walk blocks an SM) and
-    chunked_split_f16_pipe (the next chunk's operands requested during this one's)."""
+    chunked_split_f16 (fp16 hi / lo parts)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():

@@ -98,12 +98,10 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       0.0071 / 0.0306 (H200, D2 2026-11-24 session 12), layer
                                       1.46x grouped_staged's at 8 x 1k (1.192 vs 0.817 ms;
                                       chunked_split 1.78x), 1.05x at 1 x 1k, faster from 1 x
-                                      512 down, before its prepare's cp.async reads;
-                                      =chunked_split_f16_pipe: its walk requests the next
-                                      chunk's q / k / U while this one's P V' and update run;
-                                      =chunked_split_f16_x3: its walk at 3 blocks an SM with
-                                      W / P loaded where used (slower at every size, D2). The
-                                      three walks give the same bits
+                                      512 down, before its prepare's cp.async reads (its walk
+                                      with W / P loaded where used, 3 blocks an SM, and with the
+                                      next chunk's reads during this one's products measured
+                                      slower, sessions 12 D2 / D3: removed)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -150,9 +148,7 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec
                               "gdn_chunk_output", "gdn_chunk_output_norm", "gdn_chunk_output_staged"),
            "gdn_chunked_fp32.cu": ("gdn_chunk_prepare_fp32", "gdn_chunk_walk_fp32"),
            "gdn_chunked_split.cu": ("gdn_chunk_prepare_split", "gdn_chunk_walk_split", "gdn_chunk_prepare_split_f16",
-                                    "gdn_chunk_walk_split_f16", "gdn_chunk_walk_split_f16_x3",
-                                    "gdn_chunk_walk_split_f16_snapshot", "gdn_chunk_walk_split_f16_x3_snapshot",
-                                    "gdn_chunk_walk_split_f16_pipe", "gdn_chunk_walk_split_f16_pipe_snapshot"),
+                                    "gdn_chunk_walk_split_f16", "gdn_chunk_walk_split_f16_snapshot"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
                              "gdn_decode_step_vec4", "gdn_decode_step_bulk")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
@@ -230,13 +226,7 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    # chunked_split with fp16 hi / lo operand parts (lo scaled by 2^11) instead of bf16 hi / mid / lo
                    # and the solve's block products on tensor cores
                    "chunked_split_f16": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split_f16", False,
-                                                       "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16"),
-                   # chunked_split_f16 with W's and P's fragments loaded in the walk where used: 3 blocks an SM
-                   "chunked_split_f16_x3": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split_f16", False,
-                                                          "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16_x3"),
-                   # chunked_split_f16 with the next chunk's q / k / U requested during this chunk's P V' and update
-                   "chunked_split_f16_pipe": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split_f16", False,
-                                                            "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16_pipe")}
+                                                       "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16")}
 FP32_PREPARE_KERNEL = "gdn_chunk_prepare_fp32"  # gdn_chunked_fp32.cu: its own walk (gdn_chunk_walk_fp32)
 FP32_CHUNKED_MAX_KEY_HEAD_DIM = 128  # its walk's shared q / k / W tiles [64][DK + 1] fp32 (and S, P, U) fit 227 KiB
 FP32_WALK_TILE = 32  # value channels a gdn_chunk_walk_fp32 block
@@ -245,8 +235,7 @@ SPLIT_PREPARE_KERNEL = "gdn_chunk_prepare_split"  # gdn_chunked_split.cu: its ow
 SPLIT_PREPARE_KERNELS = (SPLIT_PREPARE_KERNEL, "gdn_chunk_prepare_split_f16")  # bf16 / fp16 operand parts
 SPLIT_WALK_TILE = 32  # value channels a gdn_chunk_walk_split block
 # the split chain's walks (PrefillKernels.states): bf16 hi / mid / lo operand parts, or fp16 hi / lo
-SPLIT_WALK_KERNELS = ("gdn_chunk_walk_split", "gdn_chunk_walk_split_f16", "gdn_chunk_walk_split_f16_x3",
-                      "gdn_chunk_walk_split_f16_pipe")
+SPLIT_WALK_KERNELS = ("gdn_chunk_walk_split", "gdn_chunk_walk_split_f16")
 SPLIT_THREADS = 128
 # the kernels of gdn_chunked.cu whose operands follow GDN_F16_OPERANDS (the others assume bf16 ones)
 F16_OPERAND_KERNELS = frozenset({"gdn_chunk_prepare_grouped_mma", "gdn_chunk_states", "gdn_chunk_states_registers",
@@ -466,10 +455,9 @@ def chunked_split_shared_bytes(dk: int, dv: int, walk: str = "gdn_chunk_walk_spl
     rows_then_solve = max(2 * 2 * chunk * row_h, 4 * 2 * chunk * row_c)  # q / k rows, then A and T in their place
     prepare = rows_then_solve + 2 * (dk * row_c + max(dv * row_c, chunk * (dv + 8))) + 4 * 4 * chunk + 8 * chunk
     fp16_parts = walk.startswith("gdn_chunk_walk_split_f16")  # two state planes; q and k as rows
-    k_buffers = 2 if walk.startswith("gdn_chunk_walk_split_f16_pipe") else 1
     walk_bytes = (4 * (SPLIT_WALK_TILE * row_c + chunk * (SPLIT_WALK_TILE + 8) + 3 * chunk)
                   + 2 * ((2 if fp16_parts else 3) * SPLIT_WALK_TILE * row_h + chunk * row_h
-                         + (k_buffers * chunk * row_h if fp16_parts else dk * row_c)))
+                         + (chunk * row_h if fp16_parts else dk * row_c)))
     return prepare, walk_bytes
 
 

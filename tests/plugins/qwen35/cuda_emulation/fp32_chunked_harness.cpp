@@ -85,24 +85,6 @@ int main(int argc, char** argv) {
     });
     save(dir, "split_f16_core.bin", split_f16_core);
     save(dir, "split_f16_ssm_state.bin", split_f16_ssm);
-    auto split_f16_x3_ssm = load<float>(dir, "ssm_state.bin");
-    std::vector<bf16> split_f16_x3_core(core.size());
-    launch(dv / SPLIT_TILE, num_seqs, nv, SPLIT_THREADS, [&] {
-        gdn_chunk_walk_split_f16_x3(conv_out.data(), norms.data(), w.data(), u.data(), p.data(), cum.data(),
-                                    chunk_start.data(), chunk_len.data(), seq_chunks.data(), slots.data(),
-                                    fresh.data(), split_f16_x3_ssm.data(), split_f16_x3_core.data(), nk, nv, dv);
-    });
-    save(dir, "split_f16_x3_core.bin", split_f16_x3_core);
-    save(dir, "split_f16_x3_ssm_state.bin", split_f16_x3_ssm);
-    auto split_f16_pipe_ssm = load<float>(dir, "ssm_state.bin");
-    std::vector<bf16> split_f16_pipe_core(core.size());
-    launch(dv / SPLIT_TILE, num_seqs, nv, SPLIT_THREADS, [&] {
-        gdn_chunk_walk_split_f16_pipe(conv_out.data(), norms.data(), w.data(), u.data(), p.data(), cum.data(),
-                                      chunk_start.data(), chunk_len.data(), seq_chunks.data(), slots.data(),
-                                      fresh.data(), split_f16_pipe_ssm.data(), split_f16_pipe_core.data(), nk, nv, dv);
-    });
-    save(dir, "split_f16_pipe_core.bin", split_f16_pipe_core);
-    save(dir, "split_f16_pipe_ssm_state.bin", split_f16_pipe_ssm);
     // the snapshot entry: S entering sequence 0's third chunk also into slot 1 (else untouched); then sequence 0's
     // first two chunks walked alone into slot 1 of another copy: the same state
     auto snapshot_ssm = load<float>(dir, "ssm_state.bin");
