@@ -118,6 +118,7 @@ class CudaForward:
                 device_layer(layer.ffn, ops)))
         self.hc_head = DeviceHyper.of(model.weights.hc_head)
         self.mixing = {"sinkhorn_iters": c.hc_sinkhorn_iters, "hc_eps": c.hc_eps, "norm_eps": c.rms_norm_eps}
+        cuda_ops.warm_up(c.head_dim)  # (plugin.build_model started the builds before the weights loaded)
 
     def __call__(self, batch: Any, kv_cache: list[Any]) -> cupy.ndarray:
         model, c, ops = self.model, self.model.config, self.model.backend
