@@ -349,9 +349,9 @@ def test_kernels_first_launched_after_warm_up_opt_into_their_shared_memory(monke
         np.testing.assert_array_equal(cupy.asnumpy(captured.device_ssm), cupy.asnumpy(eager.device_ssm))
         walk = cuda_ops.prefill_kernels(config, captured.features).states
         assert max(cuda_ops.chunked_split_shared_bytes(128, 128, walk)) > 48 * 1024
-        prefill = Layer(np.random.default_rng(13), num_slots=2)
+        prefill = Layer(np.random.default_rng(13), num_slots=3)
         lengths = [200, 77]
-        got, expected = prefill.step(bf16(rng.standard_normal((sum(lengths), prefill.features))), lengths, [0, 1],
+        got, expected = prefill.step(bf16(rng.standard_normal((sum(lengths), prefill.features))), lengths, [1, 2],
                                      [True, False])
         assert_close(got, expected)
     cuda_ops._bulk_decode_kernel.cache_clear()
