@@ -91,8 +91,8 @@ def test_upload_vector_does_not_wait_for_the_legacy_stream(cuda_backend):
         while (clock64() - start < cycles) {}
     }""", "spin")
     legacy = cupy.cuda.Stream.null
-    del_me = upload_vector(np.zeros(64, np.float32))  # the uploader made, its pools holding a block
-    del del_me
+    warm = upload_vector(np.zeros(64, np.float32))  # the uploader made, its pools holding a block
+    del warm
     with legacy:
         spin((1,), (1,), (np.int64(4_000_000_000),))  # ~2 s at 2 GHz
     kept = upload_vector(np.arange(64, dtype=np.float32))
