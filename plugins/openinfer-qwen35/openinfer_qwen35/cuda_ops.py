@@ -88,7 +88,7 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       layer time at 8 x 1k (1.545 vs 0.833 ms: prepare 0.472,
                                       walk 0.704), 1.04x at 1 x 1k (0.367 vs 0.353), 0.61x at
                                       1 x 128 (0.198 vs 0.323): opt-in until the 8 x 1k cost
-                                      is within 1.3x; =chunked_split_f16 (opt-in):
+                                      is within 1.3x; =chunked_split_f16 (the default):
                                       gdn_chunk_prepare_split_f16 and gdn_chunk_walk_split_f16
                                       (the same chain on fp16 hi / lo operand parts, the lo
                                       part scaled by 2^11: 3 mmas for a product of two split
