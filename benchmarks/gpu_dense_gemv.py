@@ -1,8 +1,7 @@
 """gemv.cu's bf16 decode GEMVs (one row: ``gemv_m1`` and the fused ``gemv_m1_add_rms_norm`` /
 ``gemv_m1_silu_mul``) at the dense projections of Kimi-K2, Moonlight-16B-A3B and Qwen3-4B, by
 compile-time variant of gemv.cu (``GEMV_BATCHED_TAIL`` 1: the last partial pass issues all its
-loads first; 0: one load at a time; ``cols2`` / ``cols4``: ``gemv_m1_cols``, 2 / 4 columns per warp;
-``ksplit2`` / ``4`` / ``8``: ``gemv_m1_ksplit``, each column's K over that many warps). Each call is timed inside a CUDA graph
+loads first; 0: one load at a time). Each call is timed inside a CUDA graph
 of calls on rotating weight copies (at least 256 MB of them, so L2 never holds a weight), against
 the bytes it must read over the measured copy bandwidth. JSON + PNG into benchmarks/results/ and $OUT.
 
@@ -43,11 +42,12 @@ SHAPES: dict[str, list[tuple[str, int, int, str]]] = {
     "qwen3": [("qkv", 6144, 2560, "norm"), ("o_proj", 2560, 4096, "plain"), ("gate_up", 19456, 2560, "norm"),
               ("silu+down", 2560, 9728, "silu")],
 }
+# (gemv_m1_cols / gemv_m1_ksplit / gemv_m1_deep, slower at every Kimi-K2 shape in 2026-11-24's D2 and s12's D2b,
+# are gone: dense_gemv_int4d_d2_h200.json, kimi_layer_b1_kimi13_d2b)
+# "pipelined": gemv_m1_pipelined for "plain" shapes (the next pass's loads in flight while a pass multiplies; bits
+# of gemv_m1), gemv_m1 elsewhere
 VARIANTS = {"batched_tail": {"GEMV_BATCHED_TAIL": 1}, "serial_tail": {"GEMV_BATCHED_TAIL": 0},
-            # gemv_m1_cols: 2 / 4 output columns per warp ("plain" shapes only; gemv_m1's bits)
-            "cols2": {"GEMV_M1_COLS": 2}, "cols4": {"GEMV_M1_COLS": 4},
-            # gemv_m1_ksplit: each column's K over 2 / 4 / 8 warps ("plain" shapes only; fp32 rounding apart)
-            "ksplit2": {"GEMV_KSPLIT": 2}, "ksplit4": {"GEMV_KSPLIT": 4}, "ksplit8": {"GEMV_KSPLIT": 8}}
+            "pipelined": {"GEMV_BATCHED_TAIL": 1, "PIPELINED": 1}}
 DEFAULT_VARIANTS = "batched_tail,serial_tail"
 CALLS = 16  # calls per timed graph
 MIN_ROTATION_BYTES = 256 << 20
@@ -63,14 +63,11 @@ def launcher(kind: str, n: int, k: int, defines: dict[str, int], num_sms: int):
     null = np.uint64(0)
     threads = (GEMV_WARPS_PER_BLOCK * 32,)
     if kind == "plain":
-        if "GEMV_KSPLIT" in defines:
-            fn = kernel("gemv.cu", "gemv_m1_ksplit", **defines)
-            grid = (-(-n // (GEMV_WARPS_PER_BLOCK // defines["GEMV_KSPLIT"])),)
-            return lambda x, w, out: fn(grid, threads, (x, w, null, out, np.int32(1), np.int32(n), np.int32(k)))
-        columns = defines.get("GEMV_M1_COLS", 1)
-        fn = kernel("gemv.cu", "gemv_m1_cols" if "GEMV_M1_COLS" in defines else "gemv_m1", **defines)
-        grid = (-(-n // (GEMV_WARPS_PER_BLOCK * columns)),)
+        built = {name: value for name, value in defines.items() if name != "PIPELINED"}
+        fn = kernel("gemv.cu", "gemv_m1_pipelined" if defines.get("PIPELINED") else "gemv_m1", **built)
+        grid = (-(-n // GEMV_WARPS_PER_BLOCK),)
         return lambda x, w, out: fn(grid, threads, (x, w, null, out, np.int32(1), np.int32(n), np.int32(k)))
+    defines = {name: value for name, value in defines.items() if name != "PIPELINED"}
     norm = cupy.ones(k, cupy.uint16) * np.uint16(0x3F80)  # bf16 1.0
     if kind == "norm_scaled":
         fn = kernel("gemv.cu", "gemv_m1_rms_scaled", **defines)
@@ -118,8 +115,7 @@ def run(args) -> dict:
             point = {"model": model, "op": name, "kernel": kind, "N": n, "K": k, "bytes": weight_bytes,
                      "weight_copies": copies}
             outputs = {}
-            variants = {v: VARIANTS[v] for v in args.variants.split(",")
-                        if kind == "plain" or not {"GEMV_M1_COLS", "GEMV_KSPLIT"} & set(VARIANTS[v])}
+            variants = {v: VARIANTS[v] for v in args.variants.split(",")}
             for variant, defines in variants.items():
                 launch = launcher(kind, n, k, defines, num_sms)
                 outs = [cupy.empty((1, n), cupy.uint16) for _ in range(CALLS)]

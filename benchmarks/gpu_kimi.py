@@ -1155,14 +1155,13 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "decode_pdl": "programmatic dependent launch of the one-row GEMVs, decode routers and lane-groups INT4 GEMV "
                   "($OPENINFER_DECODE_PDL=1)",
     "shared_after_route": "the shared expert's side stream forked after the routing ($OPENINFER_MOE_SHARED_AFTER_ROUTE=1)",
-    "gemv_deep": "one-row GEMVs of long rows in small grids (qkv_a) by gemv_m1_deep ($OPENINFER_GEMV_DEEP=1)",
     "route_sort_warp": "moe_route_sort in one warp at 1-2 tokens ($OPENINFER_MOE_ROUTE_SORT_WARP=1)",
+    "gemv_pipelined": "one-row GEMVs of rows past a pass by gemv_m1_pipelined ($OPENINFER_GEMV_PIPELINED=1)",
     # the switches above turned off (to time the defaults before a flip against them)
     "no_int4_row_blocks": "one column block per moe_gemv_int4_groups block ($OPENINFER_INT4_ROW_BLOCKS=1)",
     "no_rms_scaled": "q_a_norm + q_b as rms_norm then gemv_m1 ($OPENINFER_RMS_SCALED_GEMV=0)",
     "no_decode_pdl": "plain launches of the decode GEMVs and routers ($OPENINFER_DECODE_PDL=0)",
     "no_shared_after_route": "the shared expert forked before the routing ($OPENINFER_MOE_SHARED_AFTER_ROUTE=0)",
-    "no_gemv_deep": "gemv_m1 for every one-row GEMV ($OPENINFER_GEMV_DEEP=0)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1275,12 +1274,11 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "oproj_prefetch": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "32"),
                 "decode_pdl": ("OPENINFER_DECODE_PDL", "1"),
                 "shared_after_route": (cuda_moe.SHARED_AFTER_ROUTE_ENV, "1"),
-                "gemv_deep": ("OPENINFER_GEMV_DEEP", "1"),
                 "no_int4_row_blocks": (cuda_moe.INT4_ROW_BLOCKS_ENV, "1"), "no_rms_scaled": ("OPENINFER_RMS_SCALED_GEMV", "0"),
                 "no_decode_pdl": ("OPENINFER_DECODE_PDL", "0"),
                 "no_shared_after_route": (cuda_moe.SHARED_AFTER_ROUTE_ENV, "0"),
-                "no_gemv_deep": ("OPENINFER_GEMV_DEEP", "0"),
-                "route_sort_warp": (cuda_moe.ROUTE_SORT_WARP_ENV, "1")}
+                "route_sort_warp": (cuda_moe.ROUTE_SORT_WARP_ENV, "1"),
+                "gemv_pipelined": ("OPENINFER_GEMV_PIPELINED", "1")}
     for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
         os.environ.pop(env, None)
     for option, (env, value) in switches.items():

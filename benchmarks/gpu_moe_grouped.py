@@ -13,6 +13,11 @@ bytes over the copy bandwidth (read + write of a 2 GiB buffer) and over a read-o
 kernel (``ROUTING_VARIANTS``), eager device time.
 
     python benchmarks/gpu_moe_grouped.py routing [--tokens 1024,8192]
+
+``norms``: the per-layer add_rms_norm (plain / ADD_NORM_REGISTERS) and combine + norm (apart / fused) kernels at
+decode sizes, graph replays (``run_norms``).
+
+    python benchmarks/gpu_moe_grouped.py norms [--tokens 1,16,64]
 """
 
 from __future__ import annotations
@@ -267,6 +272,69 @@ def run_routing(args) -> dict:
     return report
 
 
+NORM_TOKENS = "1,16,64"
+NORM_CALLS = 26  # one Moonlight decode step's MoE layers
+
+
+def run_norms(args) -> dict:
+    """The small per-layer kernels after the experts, Moonlight widths (hidden 2048, top-6 + 2 fused shared experts),
+    as CUDA-graph replays of NORM_CALLS calls (device time per call): add_rms_norm's block kernel plain and with
+    ADD_NORM_REGISTERS=1 (its columns in registers), and moe_combine + add_rms_norm against the fused
+    moe_combine_add_rms_norm; each pair's bits compared."""
+    rng = np.random.default_rng(2)
+    report = {"benchmark": "moe_norms", "device": device_name(), "hidden": SHAPE["hidden"],
+              "top_k_with_shared": SHAPE["top_k"] + 2, "calls_per_graph": NORM_CALLS, "points": []}
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        point = _norm_point(tokens, rng)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in point.items()}), flush=True)
+        report["points"].append(point)
+    return report
+
+
+def _norm_point(tokens: int, rng: np.random.Generator) -> dict:
+    import cupy
+
+    from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.backend.cuda.backend import _norm_threads
+    from openinfer.backend.cuda.loader import kernel
+
+    hidden, experts, top_k, eps = SHAPE["hidden"], SHAPE["experts"] + 2, SHAPE["top_k"] + 2, 1e-6
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    grouping = cuda_moe.group_by_expert(cupy.asarray(ids), cupy.asarray(
+        rng.uniform(0.1, 1.0, ids.shape).astype(np.float32)), experts)
+    y = device_random_bf16((tokens * top_k, hidden))
+    x, residual, weight = (device_random_bf16(shape) for shape in ((tokens, hidden), (tokens, hidden), (hidden,)))
+    threads = _norm_threads(hidden)
+
+    def add_norm(registers: int, combine: bool):
+        source = cuda_moe.combine(y, grouping, None, hidden, vectorized=False) if combine else x
+        out, residual_out = cupy.empty_like(x), cupy.empty_like(x)
+        kernel("rms_norm.cu", "add_rms_norm", ADD_NORM_REGISTERS=registers)((tokens,), (threads,), (
+            source, residual, weight, out, residual_out, np.int32(hidden), np.float32(eps)))
+        return out
+
+    calls = {
+        "add_rms_norm": partial(add_norm, 0, False),
+        "add_rms_norm_registers": partial(add_norm, 1, False),
+        "combine_then_add_rms_norm": partial(add_norm, 0, True),
+        "combine_then_add_rms_norm_registers": partial(add_norm, 1, True),
+        "combine_add_rms_norm_fused": lambda: cuda_moe.combine_add_rms_norm(y, grouping, None, residual, weight,
+                                                                            eps)[0],
+    }
+    point = {"tokens": tokens}
+    outputs = {name: call().get() for name, call in calls.items()}
+    point["add_rms_norm_registers_bit_equal"] = bool(np.array_equal(outputs["add_rms_norm"],
+                                                                    outputs["add_rms_norm_registers"]))
+    point["combine_fused_bit_equal"] = bool(np.array_equal(outputs["combine_then_add_rms_norm"],
+                                                           outputs["combine_add_rms_norm_fused"]))
+    for name, call in calls.items():
+        seconds, error = graph_call_seconds([call] * NORM_CALLS)
+        point[f"{name}_us"] = 1e6 * seconds
+        if error:
+            point[f"{name}_graph_error"] = error
+    return point
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -291,6 +359,15 @@ def plot(report: dict, path: Path) -> None:
                       [f"{p['tokens']} tokens\n{p['slots_per_expert']:.1f} / expert" for p in points])
         ax.set_ylabel("% of copy bandwidth (gate_up + down)")
         ax.set_title(f"Moonlight routed experts by moe_sm90 tile shape ({report['device']})")
+    elif report["benchmark"] == "moe_norms":
+        names = [key[:-3] for key in points[0] if key.endswith("_us")]
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            ax.bar(np.arange(len(points)) + i * width, [p[f"{name}_us"] for p in points], width, label=name,
+                   color=colors[i % len(colors)])
+        ax.set_xticks(np.arange(len(points)) + 0.4 - width / 2, [f"{p['tokens']} tokens" for p in points])
+        ax.set_ylabel("us per call (graph replay)")
+        ax.set_title(f"Moonlight per-layer norm / combine kernels ({report['device']})")
     else:
         names = list(report["variants"])
         width = 0.8 / len(names)
@@ -321,8 +398,11 @@ def main() -> None:
     routing = sub.add_parser("routing", help="routing parts at prefill sizes by kernel")
     routing.add_argument("--tokens", default=ROUTING_TOKENS, help="comma list of token counts")
     routing.add_argument("--name", default="moe_routing", help="results file name (JSON + PNG)")
+    norms = sub.add_parser("norms", help="add_rms_norm / combine kernels of a decode step, graph replays")
+    norms.add_argument("--tokens", default=NORM_TOKENS, help="comma list of token counts")
+    norms.add_argument("--name", default="moe_norms", help="results file name (JSON + PNG)")
     args = parser.parse_args()
-    report = run_experts(args) if args.command == "experts" else run_routing(args)
+    report = {"experts": run_experts, "routing": run_routing, "norms": run_norms}[args.command](args)
     report["time"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     RESULTS.mkdir(exist_ok=True)
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None

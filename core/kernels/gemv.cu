@@ -30,22 +30,23 @@ __device__ __forceinline__ void words_to_floats8(const uint4& u, float* f) {
     }
 }
 
-// One pass of UNROLL 16-byte steps from k (those below K): every weight word loaded first (raw: few registers),
-// then (WAIT: DECODE_PDL's decode_pdl_wait and launch_dependents) each step's x and FMAs, in k order.
-template <int ROWS, int COLS, int UNROLL, bool WAIT>
-__device__ __forceinline__ void gemv_raw_pass(const bf16* __restrict__ x, const bf16* const (&wrow)[COLS],
-                                              float (&acc)[ROWS][COLS], int M, int K, int k) {
+// A pass of UNROLL 16-byte steps from k (those below K) of each weight row: the raw words, loaded (few registers).
+template <int COLS, int UNROLL>
+__device__ __forceinline__ void gemv_raw_issue(const bf16* const (&wrow)[COLS], uint4 (&raw)[UNROLL][COLS], int K,
+                                               int k) {
     constexpr int STEP = 32 * 8;
-    uint4 raw[UNROLL][COLS];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
         if (k + u * STEP < K)
 #pragma unroll
             for (int c = 0; c < COLS; ++c) raw[u][c] = *reinterpret_cast<const uint4*>(wrow[c] + k + u * STEP);
-    if constexpr (WAIT) {
-        decode_pdl_wait();
-        decode_pdl_launch_dependents();  // after the wait: a dependent may read what the kernel before wrote
-    }
+}
+
+// The pass's FMAs: each step's x (those below K) times its words, in k order.
+template <int ROWS, int COLS, int UNROLL>
+__device__ __forceinline__ void gemv_raw_consume(const bf16* __restrict__ x, const uint4 (&raw)[UNROLL][COLS],
+                                                 float (&acc)[ROWS][COLS], int M, int K, int k) {
+    constexpr int STEP = 32 * 8;
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         if (k + u * STEP >= K) break;
@@ -64,6 +65,19 @@ __device__ __forceinline__ void gemv_raw_pass(const bf16* __restrict__ x, const 
             }
         }
     }
+}
+
+// One pass: every weight word loaded first, then (WAIT: DECODE_PDL's decode_pdl_wait and launch_dependents) the FMAs.
+template <int ROWS, int COLS, int UNROLL, bool WAIT>
+__device__ __forceinline__ void gemv_raw_pass(const bf16* __restrict__ x, const bf16* const (&wrow)[COLS],
+                                              float (&acc)[ROWS][COLS], int M, int K, int k) {
+    uint4 raw[UNROLL][COLS];
+    gemv_raw_issue<COLS, UNROLL>(wrow, raw, K, k);
+    if constexpr (WAIT) {
+        decode_pdl_wait();
+        decode_pdl_launch_dependents();  // after the wait: a dependent may read what the kernel before wrote
+    }
+    gemv_raw_consume<ROWS, COLS, UNROLL>(x, raw, acc, M, K, k);
 }
 
 // Tile `tile` of the output: columns [tile * WARPS_PER_BLOCK * COLS, +WARPS_PER_BLOCK * COLS).
@@ -111,35 +125,10 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
         }
     }
 #if GEMV_BATCHED_TAIL
-    if (k < K) {  // the last, partial pass (at most UNROLL - 1 steps): its loads too all in flight first
-        // (one step at a time left short rows latency-bound: a q_b projection's K = 1536 is less than
-        // one pass, 6 loads in turn). Raw 16-byte words, unpacked at use: few registers. Each lane still
-        // sums its k in increasing order, so the bits do not change.
-        uint4 raw[UNROLL > 1 ? UNROLL - 1 : 1][COLS];
-#pragma unroll
-        for (int u = 0; u + 1 < UNROLL; ++u)
-            if (k + u * STEP < K)
-#pragma unroll
-                for (int c = 0; c < COLS; ++c) raw[u][c] = *reinterpret_cast<const uint4*>(wrow[c] + k + u * STEP);
-#pragma unroll
-        for (int u = 0; u < (UNROLL > 1 ? UNROLL - 1 : 1); ++u) {
-            if (k + u * STEP >= K) break;
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                if (r < M) {
-                    float xf[8];
-                    load8(x + (size_t)r * K + k + u * STEP, xf);
-#pragma unroll
-                    for (int c = 0; c < COLS; ++c) {
-                        float wf[8];
-                        words_to_floats8(raw[u][c], wf);
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) acc[r][c] += xf[i] * wf[i];
-                    }
-                }
-            }
-        }
-    }
+    // the last, partial pass (at most UNROLL - 1 steps): its loads too all in flight first (one step at a time left
+    // short rows latency-bound: a q_b projection's K = 1536 is less than one pass, 6 loads in turn). Raw 16-byte
+    // words, unpacked at use: few registers. Each lane still sums its k in increasing order: the same bits.
+    if (k < K) gemv_raw_pass<ROWS, COLS, (UNROLL > 1 ? UNROLL - 1 : 1), false>(x, wrow, acc, M, K, k);
 #else
     for (; k < K; k += STEP) {
         float wf[COLS][8];
@@ -189,24 +178,31 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m1(GEMV_
     gemv_tile<1, 1, GEMV_M1_UNROLL, DECODE_PDL != 0>(x, w, bias, y, M, N, K, blockIdx.x);
 }
 
-// gemv_m1_deep: gemv_m1 for long rows in a grid of at most ~2 blocks an SM (Kimi-K2's qkv_a, 2112 x 7168: 264
-// blocks, 28 16-byte steps a lane in 4 passes of 8, each a round trip to HBM with few warps to hide it): passes of
-// GEMV_DEEP_UNROLL raw words (16: two round trips), converted at use. Each lane's k in order: gemv_m1's bits.
-// Opt-in (linear.DEEP_GEMV_ENV).
-#ifndef GEMV_DEEP_UNROLL
-#define GEMV_DEEP_UNROLL 16
-#endif
-extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m1_deep(GEMV_ARGS) {
-    constexpr int STEP = 32 * 8;
+// gemv_m1_pipelined: gemv_m1 with the next pass's weight words in flight while this pass multiplies (gemv_m1 issues
+// a pass's loads, waits, multiplies, and only then issues the next: a warp of a long row idles a round trip per pass),
+// so two passes of GEMV_M1_UNROLL raw words a lane at a time. For long rows in small grids: Kimi-K2's qkv_a, 2112 x
+// 7168, 264 blocks, 3.5 passes a warp. Each lane's k in order: gemv_m1's bits. Opt-in (linear.PIPELINED_GEMV_ENV).
+extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m1_pipelined(GEMV_ARGS) {
+    constexpr int PASS = GEMV_M1_UNROLL * 32 * 8;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n = blockIdx.x * WARPS_PER_BLOCK + warp;
     if (n >= N) return;
     const bf16* const wrow[1] = {w + (size_t)n * K};
     float acc[1][1] = {{0.f}};
+    uint4 even[GEMV_M1_UNROLL][1], odd[GEMV_M1_UNROLL][1];  // passes 0, 2, ... and 1, 3, ...
     int k = lane * 8;
-    gemv_raw_pass<1, 1, GEMV_DEEP_UNROLL, DECODE_PDL != 0>(x, wrow, acc, 1, K, k);
-    for (k += GEMV_DEEP_UNROLL * STEP; k < K; k += GEMV_DEEP_UNROLL * STEP)
-        gemv_raw_pass<1, 1, GEMV_DEEP_UNROLL, false>(x, wrow, acc, 1, K, k);
+    gemv_raw_issue<1, GEMV_M1_UNROLL>(wrow, even, K, k);
+    decode_pdl_wait();  // DECODE_PDL: the first pass's weights in flight before the wait (decode_pdl.cuh)
+    decode_pdl_launch_dependents();
+    for (;; k += 2 * PASS) {
+        if (k + PASS < K) gemv_raw_issue<1, GEMV_M1_UNROLL>(wrow, odd, K, k + PASS);
+        gemv_raw_consume<1, 1, GEMV_M1_UNROLL>(x, even, acc, 1, K, k);
+        if (k + PASS >= K) break;
+        if (k + 2 * PASS < K) gemv_raw_issue<1, GEMV_M1_UNROLL>(wrow, even, K, k + 2 * PASS);
+        gemv_raw_consume<1, 1, GEMV_M1_UNROLL>(x, odd, acc, 1, K, k + PASS);
+        if (k + 2 * PASS >= K) break;
+    }
+    (void)M;
     const float sum = warp_sum(acc[0][0]);
     if (lane == 0) y[n] = __float2bfloat16_rn(sum + (bias != nullptr ? __bfloat162float(bias[n]) : 0.f));
 }
@@ -384,74 +380,4 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
     }
     __syncthreads();
     gemv_m1_tiles(xs, w, bias, y, N, K, prefetch_bytes);
-}
-
-// gemv_m1_cols: gemv_m1 with GEMV_M1_COLS consecutive output columns per warp (one input row), for short
-// rows: a warp then has COLS rows' loads in flight at once, so a wide, short projection (Kimi-K2's q_b,
-// 12288 x 1536: a 3 KB row per warp, 1.45 waves of gemv_m1's warps) fits one wave of longer-lived warps.
-// Each column's sum runs in gemv_m1's order: the same bits. Opt-in (not wired), not faster: D2 of 2026-11-24
-// (H200, results/dense_gemv_int4d_d2_h200.json) Kimi q_b 12.2 -> 12.7 / 13.9 us (cols2 / cols4), qkv_a 9.6 ->
-// 9.9 / 11.3, o_proj 31.2 -> 32.7 / 32.0.
-#ifndef GEMV_M1_COLS
-#define GEMV_M1_COLS 2
-#endif
-extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
-    gemv_m1_cols(const bf16* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ bias,
-                 bf16* __restrict__ y, int M, int N, int K) {
-    gemv_tile<1, GEMV_M1_COLS, GEMV_M1_UNROLL>(x, w, bias, y, M, N, K, blockIdx.x);
-}
-
-// gemv_m1_ksplit: one row, each output column's K split over GEMV_KSPLIT warps of a block (8 / GEMV_KSPLIT
-// columns per block), their sums added in shared memory in slice order. For long rows and few columns
-// (Kimi-K2's qkv_a, 2112 x 7168: gemv_m1's 2112 warps, 16 per SM, walk 14 KB each in 3.5 serial passes):
-// KSPLIT times the warps, each with its whole share of K in flight at once (up to GEMV_KSPLIT_STEPS 16-byte
-// loads per lane). Other summation order than gemv_m1 (fp32 rounding apart). Opt-in (not wired): D2 of
-// 2026-11-24 (H200, results/dense_gemv_int4d_d2_h200.json) Kimi qkv_a 9.6 -> 10.9 / 11.7 / 10.3 us (ksplit 2 / 4 / 8), q_b
-// 12.2 -> 11.8 / 14.7 / 21.1, o_proj 31.2 -> 36.4 / 31.4 / 30.1, shared gate_up 16.1 -> 21.4 / 18.6 / 17.5.
-#ifndef GEMV_KSPLIT
-#define GEMV_KSPLIT 8
-#endif
-#ifndef GEMV_KSPLIT_STEPS
-#define GEMV_KSPLIT_STEPS 4  // 256-element steps of K per warp with their loads in flight together
-#endif
-extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
-    gemv_m1_ksplit(const bf16* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ bias,
-                   bf16* __restrict__ y, int M, int N, int K) {
-    static_assert(WARPS_PER_BLOCK % GEMV_KSPLIT == 0, "GEMV_KSPLIT must divide the block's warps");
-    __shared__ float slice_sums[WARPS_PER_BLOCK];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slice = warp % GEMV_KSPLIT;
-    const int column = blockIdx.x * (WARPS_PER_BLOCK / GEMV_KSPLIT) + warp / GEMV_KSPLIT;
-    const bf16* row = w + (size_t)min(column, N - 1) * K;  // past N: a valid row, result dropped
-    (void)M;
-    constexpr int STEP = 32 * 8;
-    const int steps = (K + STEP - 1) / STEP;  // slice s takes steps s, s + KSPLIT, ...
-    float acc = 0.f;
-    for (int first = slice; first < steps; first += GEMV_KSPLIT * GEMV_KSPLIT_STEPS) {
-        uint4 raw[GEMV_KSPLIT_STEPS];
-#pragma unroll
-        for (int u = 0; u < GEMV_KSPLIT_STEPS; ++u) {
-            const int k = (first + u * GEMV_KSPLIT) * STEP + lane * 8;
-            raw[u] = k < K ? *reinterpret_cast<const uint4*>(row + k) : make_uint4(0u, 0u, 0u, 0u);
-        }
-#pragma unroll
-        for (int u = 0; u < GEMV_KSPLIT_STEPS; ++u) {
-            const int k = (first + u * GEMV_KSPLIT) * STEP + lane * 8;
-            if (k < K) {
-                float xf[8], wf[8];
-                load8(x + k, xf);
-                words_to_floats8(raw[u], wf);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) acc += xf[i] * wf[i];
-            }
-        }
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) slice_sums[warp] = acc;
-    __syncthreads();
-    if (slice == 0 && lane == 0 && column < N) {
-        float total = 0.f;
-#pragma unroll
-        for (int s = 0; s < GEMV_KSPLIT; ++s) total += slice_sums[warp + s];
-        y[column] = __float2bfloat16_rn(total + (bias != nullptr ? __bfloat162float(bias[column]) : 0.f));
-    }
 }

@@ -32,26 +32,15 @@
 #define MLA_THREADS (HEADS_PER_BLOCK * TOKENS_PER_TILE)
 #define DIMS_PER_THREAD (KV_LORA / TOKENS_PER_TILE)
 
-// The latent row of one new token at its slot: RMS-normed c_kv (kv_a_layernorm) and rotated k_pe (block-wide:
-// every thread of the block calls it; slot < 0: a padding row of a captured batch, nothing stored).
+#include "mla_latent.cuh"  // mla_latent_row, mla_rope_pair
+
+// The latent row of one new token at its slot (block-wide; slot < 0: a padding row of a captured batch, nothing
+// stored).
 __device__ __forceinline__ void mla_store_latent_row(const bf16* __restrict__ row, const bf16* __restrict__ norm_weight,
                                                      float eps, int slot, const float* cos_row, const float* sin_row,
                                                      bf16* __restrict__ cache, float* scratch) {
-    const int half = ROPE_DIM / 2;
-    float sum = 0.f;
-    for (int i = threadIdx.x; i < KV_LORA; i += blockDim.x) {
-        const float v = __bfloat162float(row[i]);
-        sum += v * v;
-    }
-    const float inv_rms = rsqrtf(block_sum(sum, scratch) / KV_LORA + eps);
-    bf16* out = cache + (long long)(slot < 0 ? 0 : slot) * LATENT;
-    for (int i = threadIdx.x; i < KV_LORA && slot >= 0; i += blockDim.x)
-        out[i] = __float2bfloat16_rn(round_bf16(__bfloat162float(row[i]) * inv_rms) * __bfloat162float(norm_weight[i]));
-    for (int i = threadIdx.x; i < half && slot >= 0; i += blockDim.x) {
-        const float x1 = __bfloat162float(row[KV_LORA + i]), x2 = __bfloat162float(row[KV_LORA + half + i]);
-        out[KV_LORA + i] = __float2bfloat16_rn(x1 * cos_row[i] - x2 * sin_row[i]);
-        out[KV_LORA + half + i] = __float2bfloat16_rn(x2 * cos_row[i] + x1 * sin_row[i]);
-    }
+    mla_latent_row(row, norm_weight, eps, cos_row, sin_row, cache + (long long)(slot < 0 ? 0 : slot) * LATENT,
+                   slot >= 0, scratch);
 }
 
 // One rotate-half pair d of head h's q_pe of row t, in place.
@@ -59,9 +48,9 @@ __device__ __forceinline__ void mla_rotate_q_pe(bf16* __restrict__ q, int t, int
                                                 int q_pe_offset, const float* cos_row, const float* sin_row) {
     const int half = ROPE_DIM / 2;
     bf16* pe = q + ((long long)t * num_heads + h) * q_stride + q_pe_offset;
-    const float x1 = __bfloat162float(pe[d]), x2 = __bfloat162float(pe[half + d]);
-    pe[d] = __float2bfloat16_rn(x1 * cos_row[d] - x2 * sin_row[d]);
-    pe[half + d] = __float2bfloat16_rn(x2 * cos_row[d] + x1 * sin_row[d]);
+    const float2 r = mla_rope_pair(__bfloat162float(pe[d]), __bfloat162float(pe[half + d]), cos_row[d], sin_row[d]);
+    pe[d] = __float2bfloat16_rn(r.x);
+    pe[half + d] = __float2bfloat16_rn(r.y);
 }
 
 // Blocks (new token, part of its heads' q_pe): part 0 also writes the latent row; q [T, num_heads,
@@ -85,6 +74,39 @@ extern "C" __global__ void mla_write_latent(const bf16* __restrict__ kv_a /* [T,
     // its rounds one after another: gridDim.y > 1 spreads them)
     for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < num_heads * half; i += gridDim.y * blockDim.x)
         mla_rotate_q_pe(q, t, i / half, i % half, num_heads, q_stride, q_pe_offset, cos_row, sin_row);
+}
+
+// mla_write_latent that leaves q where it is: the rows of q_src (a row view of the fused q / kv_a projection,
+// q_src_stride elements apart, heads q_stride apart, q_pe at q_pe_offset of each head) are read, and every head's
+// q_pe is stored rotated into its own contiguous q_pe [T, num_heads, ROPE_DIM] (the attention kernels read it with
+// q_stride ROPE_DIM, offset 0; W_UK reads q_nope straight from the view). No copy of q, no in-place rotation: the
+// same rotated values as mla_write_latent's. Blocks as mla_write_latent's.
+extern "C" __global__ void mla_write_latent_q_pe(const bf16* __restrict__ kv_a /* [T, kv_a_stride] */, int kv_a_stride,
+                                                 const bf16* __restrict__ norm_weight, float eps,
+                                                 const bf16* __restrict__ q_src, int q_src_stride,
+                                                 bf16* __restrict__ q_pe, int num_heads, int q_stride, int q_pe_offset,
+                                                 const int* __restrict__ positions,
+                                                 const int* __restrict__ slot_mapping,
+                                                 const float* __restrict__ cos_table,
+                                                 const float* __restrict__ sin_table, bf16* __restrict__ cache) {
+    __shared__ float scratch[32];
+    const int t = blockIdx.x;
+    mla_pdl_enter();
+    const int half = ROPE_DIM / 2;
+    const float* cos_row = cos_table + (long long)positions[t] * half;
+    const float* sin_row = sin_table + (long long)positions[t] * half;
+    if (blockIdx.y == 0)
+        mla_store_latent_row(kv_a + (long long)t * kv_a_stride, norm_weight, eps, slot_mapping[t], cos_row, sin_row,
+                             cache, scratch);
+    const bf16* src = q_src + (long long)t * q_src_stride + q_pe_offset;
+    bf16* dst = q_pe + (long long)t * num_heads * ROPE_DIM;
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < num_heads * half; i += gridDim.y * blockDim.x) {
+        const int h = i / half, d = i % half;  // mla_rotate_q_pe's sums
+        const bf16* pe = src + h * q_stride;
+        const float2 r = mla_rope_pair(__bfloat162float(pe[d]), __bfloat162float(pe[half + d]), cos_row[d], sin_row[d]);
+        dst[h * ROPE_DIM + d] = __float2bfloat16_rn(r.x);
+        dst[h * ROPE_DIM + half + d] = __float2bfloat16_rn(r.y);
+    }
 }
 
 #ifndef NOPE_DIM
@@ -126,38 +148,24 @@ extern "C" __global__ void mla_write_latent_gather_q(const bf16* __restrict__ kv
         const int h = i / half, d = i % half;
         const bf16* pe = src + h * q_stride + q_pe_offset;
         bf16* pe_out = dst + h * q_stride + q_pe_offset;
-        const float x1 = __bfloat162float(pe[d]), x2 = __bfloat162float(pe[half + d]);
-        pe_out[d] = __float2bfloat16_rn(x1 * cos_row[d] - x2 * sin_row[d]);
-        pe_out[half + d] = __float2bfloat16_rn(x2 * cos_row[d] + x1 * sin_row[d]);
+        const float2 r = mla_rope_pair(__bfloat162float(pe[d]), __bfloat162float(pe[half + d]), cos_row[d], sin_row[d]);
+        pe_out[d] = __float2bfloat16_rn(r.x);
+        pe_out[half + d] = __float2bfloat16_rn(r.y);
     }
 }
 
-// mla_write_latent and W_UK (q_latent[t, h] = q_nope[t, h] · W_UK[h]) in one launch, for steps of at most
-// ABSORB_MAX_TOKENS rows (a small decode: one launch, not a latent write and a cuBLAS batched GEMM).
-// grid (num_heads, KV_LORA / 64), ABSORB_THREADS threads. Block (h, c): columns 64c .. 64c + 63 of head h's
-// q_latent for every row, W_UK[h] [NOPE_DIM, KV_LORA] read once: thread (column group g, row group r) loads its
-// NOPE_DIM / 16 rows of 8 columns as 16-byte vectors, all in flight at once (one memory round trip), the row
-// groups then summed by shuffles and through shared memory in a fixed order; then block (h, 0) rotates head h's
-// q_pe of every row in place (other dims than the q_nope it read), and the blocks of c >= 1 store the rows'
-// latents, row t in block (h + num_heads·(c − 1)) = t mod (num_heads·(gridDim.y − 1)).
-extern "C" __global__ void __launch_bounds__(ABSORB_THREADS)
-mla_write_absorb(const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __restrict__ norm_weight, float eps,
-                 bf16* __restrict__ q, int num_heads, int q_stride, int q_pe_offset, int num_tokens,
-                 const bf16* __restrict__ w_uk /* [H, NOPE_DIM, KV_LORA] */, bf16* __restrict__ q_latent,
-                 const int* __restrict__ positions, const int* __restrict__ slot_mapping,
-                 const float* __restrict__ cos_table, const float* __restrict__ sin_table, bf16* __restrict__ cache) {
-    __shared__ bf16 q_nope[ABSORB_MAX_TOKENS][NOPE_DIM];
-    __shared__ float warp_sums[ABSORB_THREADS / 32][ABSORB_MAX_TOKENS][ABSORB_COLUMNS];
-    __shared__ float scratch[32];
-    mla_pdl_enter();
-    const int h = blockIdx.x, c = blockIdx.y, rope_half = ROPE_DIM / 2;
+// W_UK's columns 64c .. 64c + 63 of head h for every row (mla_write_absorb's and mla_absorb_small's block (h, c)):
+// `w` holds this thread's NOPE_DIM / 16 rows of 8 columns (loaded by the caller: all in flight at once), q_nope of
+// every row goes through shared memory (rows q_token_stride elements apart, heads q_stride apart), the row groups are
+// summed by shuffles and through shared memory in a fixed order.
+__device__ __forceinline__ void mla_absorb_columns(const uint4 (&w)[ABSORB_ROWS], const bf16* __restrict__ q,
+                                                   long long q_token_stride, int q_stride, int num_heads,
+                                                   int num_tokens, bf16* __restrict__ q_latent, int h, int c,
+                                                   bf16 (&q_nope)[ABSORB_MAX_TOKENS][NOPE_DIM],
+                                                   float (&warp_sums)[ABSORB_THREADS / 32][ABSORB_MAX_TOKENS][ABSORB_COLUMNS]) {
     const int group = threadIdx.x & 7, row_group = threadIdx.x >> 3;  // 8 columns, ABSORB_ROWS nope rows
-    uint4 w[ABSORB_ROWS];
-    const bf16* w_rows = w_uk + ((long long)h * NOPE_DIM + row_group * ABSORB_ROWS) * KV_LORA + c * ABSORB_COLUMNS + 8 * group;
-#pragma unroll
-    for (int r = 0; r < ABSORB_ROWS; ++r) w[r] = *reinterpret_cast<const uint4*>(w_rows + (long long)r * KV_LORA);
     for (int i = threadIdx.x; i < num_tokens * NOPE_DIM; i += ABSORB_THREADS)
-        q_nope[i / NOPE_DIM][i % NOPE_DIM] = q[((long long)(i / NOPE_DIM) * num_heads + h) * q_stride + i % NOPE_DIM];
+        q_nope[i / NOPE_DIM][i % NOPE_DIM] = q[(long long)(i / NOPE_DIM) * q_token_stride + (long long)h * q_stride + i % NOPE_DIM];
     __syncthreads();
     float acc[ABSORB_MAX_TOKENS][8];
 #pragma unroll
@@ -202,6 +210,54 @@ mla_write_absorb(const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __r
         for (int warp = 1; warp < ABSORB_THREADS / 32; ++warp) sum += warp_sums[warp][t][column];
         q_latent[((long long)t * num_heads + h) * KV_LORA + c * ABSORB_COLUMNS + column] = __float2bfloat16_rn(sum);
     }
+}
+
+// This thread's W_UK rows of block (h, c) as 16-byte vectors, all in flight at once.
+__device__ __forceinline__ void mla_absorb_weights(uint4 (&w)[ABSORB_ROWS], const bf16* __restrict__ w_uk, int h, int c) {
+    const int group = threadIdx.x & 7, row_group = threadIdx.x >> 3;
+    const bf16* w_rows = w_uk + ((long long)h * NOPE_DIM + row_group * ABSORB_ROWS) * KV_LORA + c * ABSORB_COLUMNS + 8 * group;
+#pragma unroll
+    for (int r = 0; r < ABSORB_ROWS; ++r) w[r] = *reinterpret_cast<const uint4*>(w_rows + (long long)r * KV_LORA);
+}
+
+// W_UK alone for small steps (q_latent[t, h] = q_nope[t, h] · W_UK[h], at most ABSORB_MAX_TOKENS rows; rows of q
+// q_token_stride elements apart: a row view of the projection is read in place): mla_write_absorb's blocks without
+// the latent write (mla_attention_tma does it under TMA_FUSED_WRITE). The weights are loaded before the programmatic
+// wait (MLA_PDL): constant, their stream overlaps the kernel before. grid (num_heads, KV_LORA / 64), ABSORB_THREADS.
+extern "C" __global__ void __launch_bounds__(ABSORB_THREADS)
+mla_absorb_small(const bf16* __restrict__ q, int q_token_stride, int q_stride, int num_heads, int num_tokens,
+                 const bf16* __restrict__ w_uk /* [H, NOPE_DIM, KV_LORA] */, bf16* __restrict__ q_latent) {
+    __shared__ bf16 q_nope[ABSORB_MAX_TOKENS][NOPE_DIM];
+    __shared__ float warp_sums[ABSORB_THREADS / 32][ABSORB_MAX_TOKENS][ABSORB_COLUMNS];
+    mla_pdl_launch_dependents();
+    uint4 w[ABSORB_ROWS];
+    mla_absorb_weights(w, w_uk, blockIdx.x, blockIdx.y);
+    mla_pdl_wait();
+    mla_absorb_columns(w, q, q_token_stride, q_stride, num_heads, num_tokens, q_latent, blockIdx.x, blockIdx.y, q_nope,
+                       warp_sums);
+}
+
+// mla_write_latent and W_UK (q_latent[t, h] = q_nope[t, h] · W_UK[h]) in one launch, for steps of at most
+// ABSORB_MAX_TOKENS rows (a small decode: one launch, not a latent write and a cuBLAS batched GEMM).
+// grid (num_heads, KV_LORA / 64), ABSORB_THREADS threads. Block (h, c): columns 64c .. 64c + 63 of head h's
+// q_latent for every row, W_UK[h] [NOPE_DIM, KV_LORA] read once (mla_absorb_columns); then block (h, 0) rotates head
+// h's q_pe of every row in place (other dims than the q_nope it read), and the blocks of c >= 1 store the rows'
+// latents, row t in block (h + num_heads·(c − 1)) = t mod (num_heads·(gridDim.y − 1)).
+extern "C" __global__ void __launch_bounds__(ABSORB_THREADS)
+mla_write_absorb(const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __restrict__ norm_weight, float eps,
+                 bf16* __restrict__ q, int num_heads, int q_stride, int q_pe_offset, int num_tokens,
+                 const bf16* __restrict__ w_uk /* [H, NOPE_DIM, KV_LORA] */, bf16* __restrict__ q_latent,
+                 const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                 const float* __restrict__ cos_table, const float* __restrict__ sin_table, bf16* __restrict__ cache) {
+    __shared__ bf16 q_nope[ABSORB_MAX_TOKENS][NOPE_DIM];
+    __shared__ float warp_sums[ABSORB_THREADS / 32][ABSORB_MAX_TOKENS][ABSORB_COLUMNS];
+    __shared__ float scratch[32];
+    mla_pdl_enter();
+    const int h = blockIdx.x, c = blockIdx.y, rope_half = ROPE_DIM / 2;
+    uint4 w[ABSORB_ROWS];
+    mla_absorb_weights(w, w_uk, h, c);
+    mla_absorb_columns(w, q, (long long)num_heads * q_stride, q_stride, num_heads, num_tokens, q_latent, h, c, q_nope,
+                       warp_sums);
     if (c == 0) {
         for (int i = threadIdx.x; i < num_tokens * rope_half; i += ABSORB_THREADS) {
             const int t = i / rope_half;

@@ -73,6 +73,7 @@
                       // (16: a non-portable cluster size, allowed by the launcher)
 #endif
 #define LATENT (KV_LORA + ROPE_DIM)
+#include "mla_latent.cuh"  // mla_latent_row, mla_rope_pair (TMA_FUSED_WRITE)
 #define TMA_HEADS 16
 #define TMA_WARPS 4
 #define TMA_THREADS (32 * TMA_WARPS)
@@ -164,6 +165,104 @@ __device__ __forceinline__ unsigned key_pair_mask(int key, int end) {
     return (key < end ? 0x0000ffffu : 0u) | (key + 1 < end ? 0xffff0000u : 0u);
 }
 
+#ifndef TMA_FAST_SEARCH
+#define TMA_FAST_SEARCH 0  // 1: mla_split_context's sequence search (and the balance total) in one round of loads
+#endif
+#ifndef TMA_FUSED_COMBINE
+#define TMA_FUSED_COMBINE 0  // 1: the last split of a (token, head block) to finish combines the partials (below)
+#endif
+// 1: mla_write_latent folded in, for steps of one new token per sequence (token_list null, row t = step token t):
+// the split that holds the token's own position computes its latent row (RMS-normed c_kv, rotated k_pe: mla_latent_row,
+// the write kernel's sums) from kv_a, head block 0 stores it at slot_mapping[t], and the tile that holds the position
+// takes the row in shared memory over whatever the TMA copy brought (the cache slot may not be written yet: no other
+// CTA of the launch waits on it). Every CTA reads q's rope dims unrotated, q_token_stride elements per row (a row view
+// of the projection), and rotates them in registers (mla_rope_pair, the write kernel's rounding). The same bits as the
+// latent write + attention.
+#ifndef TMA_FUSED_WRITE
+#define TMA_FUSED_WRITE 0
+#endif
+
+// TMA_FUSED_COMBINE: whether this CTA is the last of its (token, head block)'s num_splits CTAs to finish. Every
+// thread's partial writes are made visible device-wide first (fence, then the block barrier), thread 0 counts the
+// CTA on split_counts[slot] and the last one resets the count to 0 for the next launch (a captured graph replays
+// with the counts back at 0). Block-wide: every thread calls it.
+__device__ __forceinline__ bool tma_last_split(int* split_counts, int slot, int num_splits) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(split_counts + slot, 1) == num_splits - 1;
+        if (last) split_counts[slot] = 0;  // every other CTA of the slot has counted: nobody else touches it now
+    }
+    __syncthreads();
+    if (last) __threadfence();  // the other CTAs' partials are read after their counts (acquire side)
+    return last;
+}
+
+// mla_combine_splits_flat's sums for `heads` heads from row head_row of the partials, by one CTA (the last split's):
+// the same weights (a rounded product), the same total and the same fused multiply-adds in split order: bit-equal
+// to the combine kernels. Each head's split weights first go to `scratch` (the drained ring: [TMA_HEADS][num_splits]
+// weights, [TMA_HEADS] totals, the (max, sum) pairs, all loaded in one round), then every thread loads all splits'
+// float4 of its output dims at once. The
+// partials were written by other CTAs of this grid: read through L2 (ld.global.cg), never the read-only path. One
+// SM reads heads x num_splits x KV_LORA x 4 bytes: worth it for few splits only (core's FUSED_COMBINE_MAX_SPLITS).
+#define FUSED_COMBINE_MAX_SPLITS 8  // core's mla_decode_sm90.FUSED_COMBINE_MAX_SPLITS: launches of more splits
+                                    // never pass split_counts
+__device__ __forceinline__ void tma_combine_splits(const float* partial_o, const float* partial_ml, int num_splits,
+                                                   long long head_row, int heads, bf16* __restrict__ out,
+                                                   float* scratch) {
+    float* weights = scratch;                              // [TMA_HEADS][num_splits], < 0: an empty split
+    float* totals = scratch + TMA_HEADS * num_splits;      // [TMA_HEADS], < 0: written whole (skipped)
+    float2* ml = reinterpret_cast<float2*>(totals + TMA_HEADS);  // [TMA_HEADS][num_splits] (max, sum)
+    for (int i = threadIdx.x; i < heads * num_splits; i += TMA_THREADS)  // every (max, sum) in one round of loads
+        ml[i] = __ldcg(reinterpret_cast<const float2*>(partial_ml) + head_row * num_splits + i);
+    __syncthreads();
+    if (threadIdx.x < heads) {
+        const int h = threadIdx.x;
+        float m = -INFINITY;
+        for (int z = 0; z < num_splits; ++z)
+            if (ml[h * num_splits + z].y > 0.f) m = fmaxf(m, ml[h * num_splits + z].x);
+        float total = 0.f;  // in split order, as mla_combine_splits sums
+        for (int z = 0; z < num_splits; ++z) {
+            const float2 split = ml[h * num_splits + z];
+            const float weight = split.y > 0.f ? __fmul_rn(__expf(split.x - m), split.y) : -1.f;
+            weights[h * num_splits + z] = weight;
+            if (weight >= 0.f) total += weight;
+        }
+        totals[h] = ml[h * num_splits].x == INFINITY ? -1.f : total;  // written whole by its one split (balanced)
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < heads * (KV_LORA / 4); i += TMA_THREADS) {
+        const int h = i / (KV_LORA / 4), d = (i % (KV_LORA / 4)) * 4;
+        const float total = totals[h];
+        if (total < 0.f) continue;
+        const long long head = head_row + h;
+        const float* column = partial_o + head * num_splits * KV_LORA + d;
+        float4 o[FUSED_COMBINE_MAX_SPLITS];
+#pragma unroll
+        for (int z = 0; z < FUSED_COMBINE_MAX_SPLITS; ++z)  // every split's dims in flight at once
+            o[z] = z < num_splits && weights[h * num_splits + z] >= 0.f
+                       ? __ldcg(reinterpret_cast<const float4*>(column + (long long)z * KV_LORA))
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
+        float sum[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int z = 0; z < FUSED_COMBINE_MAX_SPLITS; ++z) {
+            const float weight = z < num_splits ? weights[h * num_splits + z] : -1.f;
+            if (weight < 0.f) continue;
+            sum[0] = fmaf(weight, o[z].x, sum[0]);
+            sum[1] = fmaf(weight, o[z].y, sum[1]);
+            sum[2] = fmaf(weight, o[z].z, sum[2]);
+            sum[3] = fmaf(weight, o[z].w, sum[3]);
+        }
+        __nv_bfloat162 pairs[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+            pairs[e] = __floats2bfloat162_rn(total > 0.f ? sum[2 * e] / total : 0.f,
+                                             total > 0.f ? sum[2 * e + 1] / total : 0.f);
+        *reinterpret_cast<uint2*>(out + head * KV_LORA + d) = *reinterpret_cast<const uint2*>(pairs);
+    }
+}
+
 // grid (T, ceil(num_heads / 16), num_splits), TMA_THREADS threads, TMA_SMEM bytes of dynamic shared memory.
 // Arguments as mla_attention_mma_shared's, then the cache's tensor map (cache_map).
 #ifndef MLA_PDL_EARLY_TILES
@@ -175,7 +274,10 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
                   int block_size, const int* __restrict__ query_start, int num_seqs,
                   const int* __restrict__ positions, int num_heads, float scale, bf16* __restrict__ out,
                   int num_splits, float* __restrict__ partial_o, float* __restrict__ partial_ml,
-                  const int* __restrict__ token_list, int balance_slots, const __grid_constant__ TensorMap cache_map) {
+                  const int* __restrict__ token_list, int balance_slots, int* __restrict__ split_counts,
+                  const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __restrict__ norm_weight, float eps,
+                  const int* __restrict__ slot_mapping, const float* __restrict__ cos_table,
+                  const float* __restrict__ sin_table, int q_token_stride, const __grid_constant__ TensorMap cache_map) {
     extern __shared__ uint4 smem_raw[];
     const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023) & ~1023u;
     float4* exchange = reinterpret_cast<float4*>(reinterpret_cast<char*>(smem_raw) +
@@ -189,11 +291,57 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     const int heads = min(TMA_HEADS, num_heads - head0);
     const int split = blockIdx.z;
     int begin, end;
+#if TMA_FAST_SEARCH
+    // The sequence of the token and (balanced splits) the launch's total context in one round of loads and one
+    // block barrier, not a binary search's dependent loads and then a second round for the total.
+    const bool balanced = TMA_CLUSTER == 1 && balance_slots > 0 && num_splits > 1;
+    const int context = positions[step_token] + 1;
+    const int* table;
+    int total = 0;
+    {
+        __shared__ int warp_counts[TMA_WARPS][2];
+        int seq = 0;
+        const int items = balanced ? max(num_seqs, (int)gridDim.x) : num_seqs;
+        for (int i = threadIdx.x; i < items; i += TMA_THREADS) {
+            if (i >= 1 && i < num_seqs) seq += query_start[i] <= step_token;
+            if (balanced && i < gridDim.x) total += positions[token_list ? token_list[i] : i] + 1;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            seq += __shfl_xor_sync(0xffffffffu, seq, o);
+            total += __shfl_xor_sync(0xffffffffu, total, o);
+        }
+        if (lane == 0) {
+            warp_counts[warp][0] = seq;
+            warp_counts[warp][1] = total;
+        }
+        __syncthreads();
+        seq = total = 0;
+#pragma unroll
+        for (int w = 0; w < TMA_WARPS; ++w) {
+            seq += warp_counts[w][0];
+            total += warp_counts[w][1];
+        }
+        table = block_tables + (long long)seq * max_blocks_per_seq;
+    }
+#else
     const int* table = mla_split_context<TMA_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq, positions,
                                                    step_token, num_splits, split, begin, end);
+    const int context = positions[step_token] + 1;
+#endif
+    // TMA_FUSED_WRITE: the splits cut the cached keys (context − 1) and the last one also takes the token's own row,
+    // which comes from shared memory (no copy): a decode context of n splits' whole tiles + 1 no longer rounds every
+    // split up by a tile (1,025 keys over 16 splits: 64 keys each, not 96 over 11).
+    const int split_context = TMA_FUSED_WRITE ? max(1, context - 1) : context;
+    {
+        const int per_split = ((split_context + num_splits - 1) / num_splits + TMA_KEYS - 1) / TMA_KEYS * TMA_KEYS;
+        begin = split * per_split;
+        end = min(split_context, begin + per_split);
+    }
 #if TMA_CLUSTER == 1  // (clusters never balance: their splits always combine on chip)
     bool whole = num_splits == 1;  // this split is the token's only one: o_latent written here
     if (balance_slots > 0 && num_splits > 1) {
+#if !TMA_FAST_SEARCH
         __shared__ int warp_totals[TMA_WARPS];
         int total = 0;
         for (int i = threadIdx.x; i < gridDim.x; i += TMA_THREADS) total += positions[token_list ? token_list[i] : i] + 1;
@@ -204,14 +352,17 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         total = 0;
 #pragma unroll
         for (int w = 0; w < TMA_WARPS; ++w) total += warp_totals[w];
-        const int context = positions[step_token] + 1;
+#endif
         const int length = max(TMA_KEYS, (total + balance_slots - 1) / balance_slots);
-        const int n = min(num_splits, max(1, (context + length / 2) / length));
-        const int per_split = ((context + n - 1) / n + TMA_KEYS - 1) / TMA_KEYS * TMA_KEYS;
+        const int n = min(num_splits, max(1, (split_context + length / 2) / length));
+        const int per_split = ((split_context + n - 1) / n + TMA_KEYS - 1) / TMA_KEYS * TMA_KEYS;
         begin = split * per_split;
-        end = min(context, begin + per_split);
-        whole = begin == 0 && end == context;
+        end = min(split_context, begin + per_split);
     }
+#endif
+    if (TMA_FUSED_WRITE && begin < end && end == split_context) end = context;  // the last split: + the own row
+#if TMA_CLUSTER == 1
+    if (balance_slots > 0 && num_splits > 1) whole = begin == 0 && end == context;
 #endif
     const int num_tiles = begin < end ? (end - begin + TMA_KEYS - 1) / TMA_KEYS : 0;  // 0: an empty split
     if (threadIdx.x == 0 && num_tiles > 0) {
@@ -226,8 +377,12 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     int early_tiles = 0;
 #if MLA_PDL && MLA_PDL_EARLY_TILES
     if (threadIdx.x == 0 && num_tiles > 0) {
+#if TMA_FUSED_WRITE  // the own row, the step's only new one, is patched in shared memory: every copied tile may go
+        const int first_new = context + TMA_KEYS - 2;  // (not a tile of the own row alone: `begin + i·KEYS < context − 1`)
+#else
         const int seq = (int)((table - block_tables) / max_blocks_per_seq);
         const int first_new = positions[query_start[seq]];  // the sequence's first token in this step
+#endif
         for (; early_tiles < TMA_STAGES && early_tiles < num_tiles &&
                begin + (early_tiles + 1) * TMA_KEYS <= first_new; ++early_tiles) {
             int rows[TMA_KEYS / TMA_BOX_ROWS];
@@ -243,18 +398,74 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
             partial_ml[(head * num_splits + split) * 2] = -INFINITY;
             partial_ml[(head * num_splits + split) * 2 + 1] = 0.f;
         }
+#if TMA_CLUSTER == 1 && TMA_FUSED_COMBINE
+        if (split_counts && tma_last_split(split_counts, t * gridDim.y + blockIdx.y, num_splits))
+            tma_combine_splits(partial_o, partial_ml, num_splits, (long long)t * num_heads + head0, heads, out,
+                               reinterpret_cast<float*>(exchange) - TMA_STAGES * TILE_BYTES / 4);
+#endif
         return;  // block-uniform
     }
     if (threadIdx.x == 0 && num_tiles > 0) {
         for (int i = early_tiles; i < TMA_STAGES && i < num_tiles; ++i) {
+            if (TMA_FUSED_WRITE && begin + i * TMA_KEYS == context - 1) break;  // the own row alone: from shared memory
             int rows[TMA_KEYS / TMA_BOX_ROWS];
             tile_rows(rows, table, block_size, begin + i * TMA_KEYS, end);
             issue_tile(base + i * TILE_BYTES, bars + 8 * i, rows, &cache_map);
         }
     }
     const int group = lane >> 2, pair = (lane & 3) * 2;
+#if TMA_FUSED_WRITE
+    __shared__ __align__(16) bf16 own_latent[LATENT];
+    __shared__ float own_scratch[32];
+    const int own_position = positions[step_token];
+    const bool own_row = end == own_position + 1;  // this split holds the token's own position (block-uniform)
+    const float* cos_row = cos_table + (long long)own_position * (ROPE_DIM / 2);
+    const float* sin_row = sin_table + (long long)own_position * (ROPE_DIM / 2);
+    if (own_row) {  // computed while the first tiles are in flight
+        mla_latent_row(kv_a + (long long)step_token * kv_a_stride, norm_weight, eps, cos_row, sin_row, own_latent, true,
+                       own_scratch);
+        __syncthreads();
+        const int slot = slot_mapping[step_token];
+        if (blockIdx.y == 0 && slot >= 0 && threadIdx.x < LATENT / 8)  // the cache is written here, never read
+            reinterpret_cast<uint4*>(const_cast<bf16*>(cache) + (long long)slot * LATENT)[threadIdx.x] =
+                reinterpret_cast<const uint4*>(own_latent)[threadIdx.x];
+    }
+#endif
     // this warp's query A fragments: heads group, group + 8; dims of its score steps (zeros past `heads`)
     unsigned qf[SCORE_STEPS][4];
+#if TMA_FUSED_WRITE
+    {  // q_latent as it is; q's rope dims from the projection's rows, rotated here
+        const int half = ROPE_DIM / 2;
+#pragma unroll
+        for (int kk = 0; kk < SCORE_STEPS; ++kk) {
+            const int dim = (warp * SCORE_STEPS + kk) * 16 + pair;
+#pragma unroll
+            for (int part = 0; part < 4; ++part) {
+                const int d = dim + 8 * (part >> 1);
+                const int h = part & 1 ? group + 8 : group;
+                unsigned value = 0u;
+                if (h < heads && d < KV_LORA) {
+                    value = *reinterpret_cast<const unsigned*>(q_latent + ((long long)t * num_heads + head0 + h) * KV_LORA + d);
+                } else if (h < heads) {
+                    const int r = d - KV_LORA, i = r < half ? r : r - half;  // r even: dims r, r + 1 of the pair's half
+                    const bf16* pe = q + (long long)t * q_token_stride + (long long)(head0 + h) * q_stride + q_pe_offset;
+                    const __nv_bfloat162 self = *reinterpret_cast<const __nv_bfloat162*>(pe + r);
+                    const __nv_bfloat162 other = *reinterpret_cast<const __nv_bfloat162*>(pe + (r < half ? r + half : r - half));
+                    float out[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float x_self = __bfloat162float(e ? self.y : self.x);
+                        const float x_other = __bfloat162float(e ? other.y : other.x);
+                        out[e] = r < half ? mla_rope_pair(x_self, x_other, cos_row[i + e], sin_row[i + e]).x
+                                          : mla_rope_pair(x_other, x_self, cos_row[i + e], sin_row[i + e]).y;
+                    }
+                    value = pack_bf16x2(out[0], out[1]);
+                }
+                qf[kk][part] = value;
+            }
+        }
+    }
+#else
     {
         const long long head_lo = (long long)t * num_heads + head0 + group, head_hi = head_lo + 8;
 #pragma unroll
@@ -271,6 +482,7 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
             }
         }
     }
+#endif
     float acc[OUT_DIMS / 8][4];
 #pragma unroll
     for (int j = 0; j < OUT_DIMS / 8; ++j)
@@ -285,17 +497,34 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     for (int i = 0; i < num_tiles; ++i) {
         const int stage = i % TMA_STAGES, key0 = begin + i * TMA_KEYS;
         const u32 tile = base + stage * TILE_BYTES;
+        // TMA_FUSED_WRITE: a tile of the own row alone (the last split's, at context − 1) is never copied: its row is
+        // stored into the free stage below, with no wait
+        const bool own_only = TMA_FUSED_WRITE && key0 == context - 1;
 #if TMA_ONE_BARRIER  // the stage of tile i - 1 takes tile i - 1 + STAGES after this tile's barrier
-        const bool refill = threadIdx.x == 0 && i >= 1 && i - 1 + TMA_STAGES < num_tiles;
+        const bool refill = threadIdx.x == 0 && i >= 1 && i - 1 + TMA_STAGES < num_tiles &&
+                            !(TMA_FUSED_WRITE && key0 + (TMA_STAGES - 1) * TMA_KEYS == context - 1);
         if (refill) tile_rows(next_rows, table, block_size, key0 + (TMA_STAGES - 1) * TMA_KEYS, end);
         float4* tile_exchange = exchange + (i & 1) * EXCHANGE_FLOAT4S;
 #else
-        const bool refill = threadIdx.x == 0 && i + TMA_STAGES < num_tiles;
+        const bool refill = threadIdx.x == 0 && i + TMA_STAGES < num_tiles &&
+                            !(TMA_FUSED_WRITE && key0 + TMA_STAGES * TMA_KEYS == context - 1);
         if (refill)  // the page ids of the tile this stage takes next, loaded while this one is multiplied
             tile_rows(next_rows, table, block_size, key0 + TMA_STAGES * TMA_KEYS, end);
         float4* tile_exchange = exchange;
 #endif
-        mbar_wait(bars + 8 * stage, (i / TMA_STAGES) & 1);
+        if (!own_only) mbar_wait(bars + 8 * stage, (i / TMA_STAGES) & 1);
+#if TMA_FUSED_WRITE
+        // the split's last tile holds the own position: its row from here (over the copy's, or alone: the stage is
+        // free, every warp being past the tile that used it last; rows past it are masked as any tile's past `end`)
+        if (own_row && i == num_tiles - 1) {
+            if (threadIdx.x < LATENT / 8) {
+                const uint4 v = reinterpret_cast<const uint4*>(own_latent)[threadIdx.x];
+                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(latent_at(tile, end - 1 - key0, 8 * threadIdx.x)),
+                             "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+            }
+            __syncthreads();
+        }
+#endif
         float part[KEY_TILES][4];
 #pragma unroll
         for (int n = 0; n < KEY_TILES; ++n)
@@ -458,5 +687,10 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
             partial_ml[(head * num_splits + split) * 2 + 1] = row_sum[r];
         }
     }
+#if TMA_FUSED_COMBINE
+    if (num_splits > 1 && split_counts && tma_last_split(split_counts, t * gridDim.y + blockIdx.y, num_splits))
+        tma_combine_splits(partial_o, partial_ml, num_splits, (long long)t * num_heads + head0, heads, out,
+                           reinterpret_cast<float*>(exchange) - TMA_STAGES * TILE_BYTES / 4);  // the drained ring
+#endif
 #endif
 }

@@ -55,6 +55,28 @@
 #ifndef GROUPS_STAGES
 #define GROUPS_STAGES 0  // > 0: the chunk ring in shared memory, this many chunks deep, filled by cp.async
 #endif                   // (GROUPS_DEPTH unused): more bytes in flight per warp than registers hold
+#ifndef GROUPS_BULK
+#define GROUPS_BULK 0  // > 0: the chunk ring in shared memory, this many chunks deep, filled by TMA bulk copies
+#endif                 // (cp.async.bulk onto a stage's mbarrier, issued by lane 0; GROUPS_DEPTH unused)
+// A bulk stage: the "rows g" half (512 bytes), the "rows g + 8" half (512), then the 128-byte scale line of each
+// (plain: one line, both halves' scales; SiLU·mul fused: the gate block's, then the up block's)
+#define GROUPS_BULK_STAGE_BYTES 1280
+#ifndef GROUPS_PROBE
+#define GROUPS_PROBE 0  // measuring only (wrong results): 1 loads every chunk but skips its arithmetic (the memory
+#endif                  // stream alone); 2 multiplies every chunk but loads chunk 0 each time (the arithmetic alone)
+#ifndef GROUPS_XSMEM
+#define GROUPS_XSMEM 0  // 1 / 2: the pass's activations staged by the block in dynamic shared memory as the mma's B
+#endif                  // registers beside each group's sum (the -136 term: one mma a chunk instead of eight), for
+                        // passes of that many token rows (1: a batch-1 step's tiles, half the shared memory; a tile
+                        // of more rows streams its weights once a row); one token pair. See groups_stage_activations
+#define GROUPS_PASS_ROWS (GROUPS_XSMEM == 1 ? 1 : 2 * GROUPS_PAIRS)  // token rows a pass over the weights
+#define GROUPS_XSMEM_RECORD 80  // bytes a (chunk, group, token) record: 16 B registers (64), the sum's 2 (8), pad
+#if GROUPS_XSMEM && (GROUPS_PAIRS != 1 || GROUPS_STAGES || GROUPS_PROBE)
+#error "GROUPS_XSMEM: the register or the bulk ring, one token pair a pass"
+#endif
+#ifndef GROUPS_DYNAMIC_SHARED  // the host emulation supplies a static buffer
+#define GROUPS_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
 #ifndef GROUPS_KSPLIT
 #define GROUPS_KSPLIT 1  // warps of a block sharing one row block, each over a slice of K (shared-memory ring only)
 #endif
@@ -72,11 +94,18 @@
 #endif
 #define GROUPS_WARPS 4
 #define GROUPS_TILE_ROWS 64
-#if GROUPS_KSPLIT > 1 && (!GROUPS_STAGES || GROUPS_WARPS % GROUPS_KSPLIT)
-#error "GROUPS_KSPLIT needs the shared-memory ring and must divide GROUPS_WARPS"
+#if GROUPS_KSPLIT > 1 && (!(GROUPS_STAGES || GROUPS_BULK) || GROUPS_WARPS % GROUPS_KSPLIT)
+#error "GROUPS_KSPLIT needs a shared-memory ring and must divide GROUPS_WARPS"
 #endif
 #if GROUPS_STAGES
 static_assert(GROUPS_WARPS * GROUPS_STAGES * GROUPS_STAGE_BYTES <= 48 * 1024, "static shared memory");
+#endif
+#if GROUPS_BULK
+static_assert(GROUPS_WARPS * GROUPS_BULK * GROUPS_BULK_STAGE_BYTES + GROUPS_WARPS * GROUPS_BULK * 8 <= 48 * 1024,
+              "static shared memory");
+#if GROUPS_STAGES
+#error "GROUPS_BULK is its own ring (no GROUPS_STAGES)"
+#endif
 #endif  // rows of a grouped tile: moe.cu BM (moe.py TILE_M)
 #define GROUPS_NEG136 0xC308C308u  // bf16 -136, twice
 
@@ -111,6 +140,9 @@ __device__ __forceinline__ uint4 groups_weight_load(const uint4* p) {
 // (bf16 at ((row % 8) * 2 + half) * 4 + group, as 32-bit pairs: row g at 4g + t', row g + 8 two further).
 // (Unsigned byte offsets: one wide multiply-add per address.)
 __device__ __forceinline__ GroupsChunk groups_load(const GroupsRows& rows, int c) {
+#if GROUPS_PROBE == 2  // the arithmetic alone: chunks 0 and 1 again and again (cache hits)
+    c &= 1;
+#endif
     const unsigned long long w = (unsigned long long)(unsigned)c * 1024u, s = (unsigned long long)(unsigned)c * 128u;
     GroupsChunk chunk;
     const unsigned char *w_lo = rows.w_lo + w, *s_lo = rows.s_lo + s;
@@ -167,13 +199,119 @@ __device__ __forceinline__ void groups_issue(const GroupsRows& rows, int c, unsi
     groups_copy<4>(stage + 1028 + 8 * lane, s_hi);
 }
 
-// This lane's share of the chunk in `stage`.
-__device__ __forceinline__ GroupsChunk groups_read(const unsigned char* stage, int lane) {
+#endif
+
+#if GROUPS_BULK
+// The warp's ring of TMA bulk copies. Lane 0 issues a chunk's copies (2 or 4: its two 512-byte halves and their
+// scale lines) onto the stage's mbarrier with the chunk's byte count; every lane waits on the barrier's phase
+// (a stage's n-th use: parity n & 1). A warp's stages are its own: no block barrier, no per-lane copy
+// instructions, and the bytes in flight are not bounded by registers or the L1's miss slots.
+struct GroupsBulkSource {
+    const unsigned char* w;  // the first chunk's "rows g" half (512 bytes; plain: the whole 1 KB chunk)
+    const unsigned char* s;  // the first chunk's scale line (128 bytes)
+#if GROUPS_FUSE_SILU
+    unsigned w_hi, s_hi;     // the up rows' half and scale line: this many bytes further
+#endif
+};
+
+__device__ __forceinline__ unsigned groups_smem_at(const void* p) {
+#ifdef MMA_HOST_STANDIN
+    (void)p;
+    return 0;
+#else
+    return (unsigned)__cvta_generic_to_shared(p);
+#endif
+}
+
+__device__ __forceinline__ void groups_bulk_init(unsigned long long* bar) {
+#ifdef MMA_HOST_STANDIN
+    *bar = 0;
+#else
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(groups_smem_at(bar)));
+#endif
+}
+
+__device__ __forceinline__ void groups_bulk_fence_init() {
+#ifndef MMA_HOST_STANDIN
+    asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// One bulk copy of `bytes` (a multiple of 16, 16-byte aligned both sides) onto `bar`'s transaction count.
+__device__ __forceinline__ void groups_bulk_copy(unsigned char* dst, const unsigned char* src, unsigned bytes,
+                                                 unsigned long long* bar) {
+#ifdef MMA_HOST_STANDIN
+    (void)bar;
+    for (unsigned i = 0; i < bytes; ++i) dst[i] = src[i];
+#else
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(groups_smem_at(dst)), "l"(src), "r"(bytes), "r"(groups_smem_at(bar)) : "memory");
+#endif
+}
+
+// Lane 0: chunk c of the warp's rows into `stage`, announced to `bar` (the other lanes: nothing).
+__device__ __forceinline__ void groups_bulk_issue(const GroupsBulkSource& src, int c, unsigned char* stage,
+                                                  unsigned long long* bar, int lane) {
+    if (lane != 0) return;
+#if GROUPS_PROBE == 2
+    c &= 1;
+#endif
+    const unsigned long long w = (unsigned long long)(unsigned)c * 1024u, s = (unsigned long long)(unsigned)c * 128u;
+#ifndef MMA_HOST_STANDIN
+    // the stage's last reads (generic proxy, ordered by the caller's __syncwarp) before the async proxy's writes
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#if GROUPS_FUSE_SILU
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(groups_smem_at(bar)), "n"(1280) : "memory");
+#else
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(groups_smem_at(bar)), "n"(1152) : "memory");
+#endif
+#endif
+#if GROUPS_FUSE_SILU
+    groups_bulk_copy(stage, src.w + w, 512, bar);
+    groups_bulk_copy(stage + 512, src.w + w + src.w_hi, 512, bar);
+    groups_bulk_copy(stage + 1024, src.s + s, 128, bar);
+    groups_bulk_copy(stage + 1152, src.s + s + src.s_hi, 128, bar);
+#else
+    groups_bulk_copy(stage, src.w + w, 1024, bar);
+    groups_bulk_copy(stage + 1024, src.s + s, 128, bar);
+#endif
+}
+
+// Every lane: until `bar` completed the phase of parity `parity` (the host stand-in: the warp meets, so lane 0's
+// copies are done).
+__device__ __forceinline__ void groups_bulk_wait(unsigned long long* bar, unsigned parity) {
+#ifdef MMA_HOST_STANDIN
+    (void)bar;
+    (void)parity;
+    __shfl_xor_sync(0xFFFFFFFFu, 0.f, 1);
+#else
+    unsigned done = 0;
+    do {
+        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(done) : "r"(groups_smem_at(bar)), "r"(parity) : "memory");
+    } while (!done);
+#endif
+}
+
+// The warp's lanes all past their reads of the stages used so far (before lane 0 refills one).
+__device__ __forceinline__ void groups_bulk_lanes_done() {
+#ifdef MMA_HOST_STANDIN
+    __shfl_xor_sync(0xFFFFFFFFu, 0.f, 1);
+#else
+    __syncwarp();
+#endif
+}
+#endif
+
+#if GROUPS_BULK || GROUPS_STAGES
+// This lane's share of the chunk in a stage: its 16 bytes of each half (at 16 * lane, 512 + 16 * lane) and its
+// two scale pairs at `s_lo`, `s_hi` bytes into the stage.
+__device__ __forceinline__ GroupsChunk groups_read_at(const unsigned char* stage, int lane, int s_lo, int s_hi) {
     GroupsChunk c;
     c.lo = *reinterpret_cast<const uint4*>(stage + 16 * lane);
     c.hi = *reinterpret_cast<const uint4*>(stage + 512 + 16 * lane);
-    c.s_lo = *reinterpret_cast<const unsigned*>(stage + 1024 + 8 * lane);
-    c.s_hi = *reinterpret_cast<const unsigned*>(stage + 1028 + 8 * lane);
+    c.s_lo = *reinterpret_cast<const unsigned*>(stage + s_lo);
+    c.s_hi = *reinterpret_cast<const unsigned*>(stage + s_hi);
     return c;
 }
 #endif
@@ -208,17 +346,28 @@ __device__ __forceinline__ unsigned groups_high_halves(unsigned a, unsigned b) {
 __device__ __forceinline__ float groups_bf16_low(unsigned pair) { return __int_as_float((int)(pair << 16)); }
 __device__ __forceinline__ float groups_bf16_high(unsigned pair) { return __int_as_float((int)(pair & 0xFFFF0000u)); }
 
+// 16-byte words of a lane's activations a chunk: its group's 32 bf16 (XSMEM: as the 8 steps' B registers, then
+// the group's sum as two more)
+#define GROUPS_X_WORDS (GROUPS_XSMEM ? 5 : 4)
+
 // What the lanes off the B columns read as their activations: zeros (a load of its own address every
 // chunk, stride 0, so the activation loads need no predicate and no register copies).
 __device__ uint4 groups_zero_activations[4];
 
 // The activations this lane puts into B for chunk c: group t of the chunk of its token rows
 // (x_at[p] + c * x_stride[p]; zeros for a lane off the B columns, x_stride 0).
-__device__ __forceinline__ void groups_x_load(uint4 (&xv)[GROUPS_PAIRS][4], const unsigned char* const (&x_at)[GROUPS_PAIRS],
+__device__ __forceinline__ void groups_x_load(uint4 (&xv)[GROUPS_PAIRS][GROUPS_X_WORDS],
+                                              const unsigned char* const (&x_at)[GROUPS_PAIRS],
                                               const unsigned (&x_stride)[GROUPS_PAIRS], int c) {
 #pragma unroll
     for (int p = 0; p < GROUPS_PAIRS; ++p) {
         const uint4* at = reinterpret_cast<const uint4*>(x_at[p] + (unsigned long long)(unsigned)c * x_stride[p]);
+#if GROUPS_XSMEM  // shared memory: the record's 4 words of B registers, then the sum's two registers
+#pragma unroll
+        for (int w = 0; w < 4; ++w) xv[p][w] = at[w];
+        const unsigned* sum = reinterpret_cast<const unsigned*>(at + 4);
+        xv[p][4] = make_uint4(sum[0], sum[1], 0u, 0u);
+#else
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
 #ifdef MMA_HOST_STANDIN
@@ -227,13 +376,86 @@ __device__ __forceinline__ void groups_x_load(uint4 (&xv)[GROUPS_PAIRS][4], cons
             xv[p][w] = __ldg(at + w);
 #endif
         }
+#endif
     }
 }
 
+#if GROUPS_XSMEM
+// The pass's activations into `xs` by the whole block (between two __syncthreads of the caller): for each of its
+// `rows` token rows, chunk c and group q (32 weights of K), a record at ((token * chunks + c) * 4 + q) * 80 bytes:
+// the 16 B registers lane (q, q) of a warp (token 1: lane (q + 4, q)) feeds the 8 steps of the chunk, as
+// groups_chunk built them from the group's 16 bytes (step 2w + h: b0 = x[8w + 2h], x[8w + 2h + 4], b1 = x[8w + 2h + 1],
+// x[8w + 2h + 5]), then the group's sum Σx (fp32, k in order) as four bf16 (hi + lo twice: the fp32 sum to ~32 bits)
+// whose mma with the -136 operand gives every row's -136 Σx at once. Then 80 zero bytes (the lanes off the B columns).
+__device__ __forceinline__ void groups_stage_activations(unsigned char* xs, const bf16* __restrict__ a,
+                                                         const int* __restrict__ sorted_slots, int top_k, int pass,
+                                                         int rows, int chunks, int K) {
+    const int units = rows * chunks * 4;
+    for (int unit = threadIdx.x; unit < units + GROUPS_XSMEM_RECORD / 16; unit += blockDim.x) {
+        if (unit >= units) {  // the zero record
+            reinterpret_cast<uint4*>(xs + (long long)GROUPS_PASS_ROWS * chunks * 4 * GROUPS_XSMEM_RECORD)[unit - units] =
+                make_uint4(0u, 0u, 0u, 0u);
+            continue;
+        }
+        const int token = unit / (chunks * 4), cq = unit - token * chunks * 4;
+        const int slot = pass + token;
+        const uint4* row = reinterpret_cast<const uint4*>(
+            a + (long long)(sorted_slots ? sorted_slots[slot] / top_k : slot) * K + 32 * cq);
+        uint4 v[4], b[4];
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+#ifdef MMA_HOST_STANDIN
+            v[w] = row[w];
+#else
+            v[w] = __ldg(row + w);
+#endif
+            const unsigned x[4] = {v[w].x, v[w].y, v[w].z, v[w].w};
+            b[w] = make_uint4(groups_low_halves(x[0], x[2]), groups_high_halves(x[0], x[2]),
+                              groups_low_halves(x[1], x[3]), groups_high_halves(x[1], x[3]));
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sum += groups_bf16_low(x[i]) + groups_bf16_high(x[i]);
+        }
+        unsigned char* record = xs + ((long long)token * chunks * 4 + cq) * GROUPS_XSMEM_RECORD;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) reinterpret_cast<uint4*>(record)[w] = b[w];
+        const float hi1 = round_bf16(sum), r1 = sum - hi1, lo1 = round_bf16(r1), r2 = r1 - lo1;
+        const float hi2 = round_bf16(r2), lo2 = round_bf16(r2 - hi2);
+        reinterpret_cast<unsigned*>(record + 64)[0] = pack_bf16x2(hi1, lo1);
+        reinterpret_cast<unsigned*>(record + 64)[1] = pack_bf16x2(hi2, lo2);
+    }
+}
+
+// A pass's staging by the whole block (block-uniform: every warp of the block calls it), then this lane's records:
+// its token's (chunk stride 4 records) on a B column, else the zero record.
+__device__ __forceinline__ void groups_stage_pass(unsigned char* xs, const bf16* __restrict__ a,
+                                                  const int* __restrict__ sorted_slots, int top_k, int pass, int rows,
+                                                  int chunks, int K, int token_of_lane, int t,
+                                                  const unsigned char* (&x_at)[GROUPS_PAIRS],
+                                                  unsigned (&x_stride)[GROUPS_PAIRS]) {
+    __syncthreads();  // every warp past its reads of the last pass's records
+    groups_stage_activations(xs, a, sorted_slots, top_k, pass, rows, chunks, K);
+    __syncthreads();
+    const bool on = token_of_lane >= 0 && token_of_lane < rows;
+    x_at[0] = xs + (on ? ((long long)token_of_lane * chunks * 4 + t) * GROUPS_XSMEM_RECORD
+                       : (long long)GROUPS_PASS_ROWS * chunks * 4 * GROUPS_XSMEM_RECORD);
+    x_stride[0] = on ? 4 * GROUPS_XSMEM_RECORD : 0;
+}
+#endif
+
 // acc[p] += chunk c times token pair p's activations xv[p] (this lane's B, zeros off its column).
 __device__ __forceinline__ void groups_chunk(float (&acc)[GROUPS_PAIRS][4], const GroupsChunk& c,
-                                             const uint4 (&xv)[GROUPS_PAIRS][4], const unsigned (&neg136)[4],
+                                             const uint4 (&xv)[GROUPS_PAIRS][GROUPS_X_WORDS], const unsigned (&neg136)[4],
                                              unsigned magic) {
+#if GROUPS_PROBE == 1  // the memory stream alone: every loaded word kept live, no arithmetic
+    unsigned bits = c.lo.x ^ c.lo.y ^ c.lo.z ^ c.lo.w ^ c.hi.x ^ c.hi.y ^ c.hi.z ^ c.hi.w ^ c.s_lo ^ c.s_hi;
+#pragma unroll
+    for (int p = 0; p < GROUPS_PAIRS; ++p) bits ^= xv[p][0].x ^ xv[p][1].y ^ xv[p][2].z ^ xv[p][3].w;
+    acc[0][0] += __int_as_float((int)(bits & 0x007FFFFFu));
+    (void)neg136;
+    (void)magic;
+    return;
+#endif
     const unsigned lo[4] = {c.lo.x, c.lo.y, c.lo.z, c.lo.w}, hi[4] = {c.hi.x, c.hi.y, c.hi.z, c.hi.w};
     // GROUPS_ACC_CHAINS independent accumulator sets (1: one chain of 16 dependent mma a chunk; 2: the -136 mma
     // apart from the weights' (two chains of 8); 4: each also split by h (four of 4)), added at the chunk's end
@@ -255,16 +477,25 @@ __device__ __forceinline__ void groups_chunk(float (&acc)[GROUPS_PAIRS][4], cons
             a[3] = groups_pair(hi[w], 2 * h + 1, magic);
 #pragma unroll
             for (int p = 0; p < GROUPS_PAIRS; ++p) {
+                constexpr int weights_chain = GROUPS_ACC_CHAINS > 1 ? 1 : 0;
+                const int h_chain = GROUPS_ACC_CHAINS > 2 ? 2 * h : 0;
+#if GROUPS_XSMEM  // the step's B registers as staged; the -136 term once a chunk (below)
+                const unsigned b0 = h ? xv[p][w].z : xv[p][w].x, b1 = h ? xv[p][w].w : xv[p][w].y;
+                mma_bf16_16816(sum[h_chain + weights_chain][p], a, b0, b1);
+#else
                 const unsigned x[4] = {xv[p][w].x, xv[p][w].y, xv[p][w].z, xv[p][w].w};
                 // x[8w + 2h], x[8w + 2h + 4] | x[8w + 2h + 1], x[8w + 2h + 5]
                 const unsigned b0 = groups_low_halves(x[h], x[h + 2]), b1 = groups_high_halves(x[h], x[h + 2]);
-                constexpr int weights_chain = GROUPS_ACC_CHAINS > 1 ? 1 : 0;
-                const int h_chain = GROUPS_ACC_CHAINS > 2 ? 2 * h : 0;
                 mma_bf16_16816(sum[h_chain][p], neg136, b0, b1);
                 mma_bf16_16816(sum[h_chain + weights_chain][p], a, b0, b1);
+#endif
             }
         }
     }
+#if GROUPS_XSMEM  // -136 Σx of each group (its sum's four bf16 in the group's column): every row at once
+#pragma unroll
+    for (int p = 0; p < GROUPS_PAIRS; ++p) mma_bf16_16816(sum[0][p], neg136, xv[p][4].x, xv[p][4].y);
+#endif
 #pragma unroll
     for (int chain = 1; chain < GROUPS_ACC_CHAINS; ++chain)
 #pragma unroll
@@ -292,7 +523,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
     // the routing); 2 (the host's tables_ready: the down projection after gate_up): the tile list and the weights
     // are older, so the first chunks' weights load before the wait, the activations after it. The next kernel may
     // launch once every CTA is past its wait (so what it reads of earlier kernels is complete too).
-#if DECODE_PDL != 2 || GROUPS_STAGES
+#if DECODE_PDL != 2 || GROUPS_STAGES || GROUPS_BULK
     decode_pdl_wait();
     decode_pdl_launch_dependents();
     bool waited = true;
@@ -300,6 +531,22 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
     bool waited = false;
 #endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#if GROUPS_XSMEM
+    GROUPS_DYNAMIC_SHARED(groups_xs);  // the pass's staged activations (groups_stage_activations)
+#endif
+#if GROUPS_BULK  // the warp's ring and its barriers; `ring_uses`: chunks through the ring so far (every pass)
+    __shared__ __align__(128) unsigned char groups_bulk_ring[GROUPS_WARPS][GROUPS_BULK][GROUPS_BULK_STAGE_BYTES];
+    __shared__ __align__(8) unsigned long long groups_bulk_full[GROUPS_WARPS][GROUPS_BULK];
+    unsigned char(*bulk_ring)[GROUPS_BULK_STAGE_BYTES] = groups_bulk_ring[warp];
+    unsigned long long* bulk_full = groups_bulk_full[warp];
+    if (lane == 0) {
+#pragma unroll
+        for (int d = 0; d < GROUPS_BULK; ++d) groups_bulk_init(&bulk_full[d]);
+        groups_bulk_fence_init();
+    }
+    groups_bulk_lanes_done();
+    unsigned ring_uses = 0;
+#endif
     // GROUPS_ROW_BLOCKS column blocks in turn (a block-uniform loop: the KSPLIT barriers stay matched)
     for (int row_block = 0; row_block < GROUPS_ROW_BLOCKS; ++row_block) {
         const int bx = blockIdx.x + row_block * gridDim.x;
@@ -311,7 +558,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
         const int out_columns = N, warp_columns = 16;
 #endif
         if (bx * (GROUPS_WARPS / GROUPS_KSPLIT) * warp_columns >= out_columns) return;  // block-uniform: past N
-#if GROUPS_KSPLIT > 1  // a warp past the columns still meets the block's barriers (its rows clamped, its result dropped)
+#if GROUPS_KSPLIT > 1 || GROUPS_XSMEM  // a warp past the columns still meets the block's barriers (its rows clamped,
         const bool past_columns = column_warp * warp_columns >= out_columns;
         const int n0 = past_columns ? out_columns - warp_columns : column_warp * warp_columns;
 #else
@@ -378,8 +625,8 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
 #endif
         // this lane's B column: token 2p of the pass (g == t) or token 2p + 1 (g == t + 4); else zeros
         const int token_of_lane = g == t ? 0 : g == t + 4 ? 1 : -1;
-        for (int pass = row_begin; pass < row_end; pass += 2 * GROUPS_PAIRS) {
-            const int rows = min(2 * GROUPS_PAIRS, row_end - pass);  // warp-uniform
+        for (int pass = row_begin; pass < row_end; pass += GROUPS_PASS_ROWS) {
+            const int rows = min(GROUPS_PASS_ROWS, row_end - pass);  // warp-uniform
             const unsigned char* x_at[GROUPS_PAIRS];
             unsigned x_stride[GROUPS_PAIRS];
     #pragma unroll
@@ -400,7 +647,54 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             for (int p = 0; p < GROUPS_PAIRS; ++p)
     #pragma unroll
                 for (int v = 0; v < 4; ++v) acc[p][v] = 0.f;
-#if GROUPS_STAGES
+#if GROUPS_BULK
+            const GroupsBulkSource bulk_source = {words + w_lo, scales + first_chunk(row_lo) * 128
+#if GROUPS_FUSE_SILU
+                                                  , rows_of_warp.w_hi, (unsigned)((first_chunk(row_hi) - first_chunk(row_lo)) * 128)
+#endif
+            };
+            // this lane's scale pairs in a stage: "rows g" in the first line, "rows g + 8" in the same line 8 bytes on
+            // (plain) or in the second line (fused), each at its half's 8-byte offset
+            const int s_lo_at = 1024 + ((row_lo >> 3) & 1) * 8 + scale_pair;
+#if GROUPS_FUSE_SILU
+            const int s_hi_at = 1152 + ((row_hi >> 3) & 1) * 8 + scale_pair;
+#else
+            const int s_hi_at = 1024 + 8 + scale_pair;
+#endif
+            int load_chunk = start;  // the next chunk the ring loads
+            const unsigned first_use = ring_uses;
+#pragma unroll
+            for (int d = 0; d + 1 < GROUPS_BULK; ++d)
+                if (d < count) {
+                    const unsigned use = first_use + d;
+                    groups_bulk_issue(bulk_source, load_chunk, bulk_ring[use % GROUPS_BULK], &bulk_full[use % GROUPS_BULK],
+                                      lane);
+                    load_chunk = next_chunk(load_chunk);
+                }
+#if GROUPS_XSMEM  // the pass's activations into shared memory (the ring's first chunks in flight meanwhile)
+            groups_stage_pass(groups_xs, a, sorted_slots, top_k, pass, rows, chunks, K, token_of_lane, t, x_at, x_stride);
+#endif
+            uint4 xv[GROUPS_PAIRS][GROUPS_X_WORDS];
+            int x_chunk = start;  // the chunk whose activations load next
+            for (int c = 0; c < count; ++c) {
+                groups_x_load(xv, x_at, x_stride, x_chunk);  // L1-resident: in before the chunk's bytes are
+                x_chunk = next_chunk(x_chunk);
+                if (c + GROUPS_BULK - 1 < count) {  // into the stage read last turn (its reads done: the warp meets)
+                    const unsigned use = first_use + c + GROUPS_BULK - 1;
+                    groups_bulk_lanes_done();
+                    groups_bulk_issue(bulk_source, load_chunk, bulk_ring[use % GROUPS_BULK], &bulk_full[use % GROUPS_BULK],
+                                      lane);
+                    load_chunk = next_chunk(load_chunk);
+                }
+                const unsigned use = first_use + c;
+                groups_bulk_wait(&bulk_full[use % GROUPS_BULK], (use / GROUPS_BULK) & 1);
+                groups_chunk(acc, groups_read_at(bulk_ring[use % GROUPS_BULK], lane, s_lo_at, s_hi_at), xv, neg136, magic);
+            }
+            ring_uses = first_use + count;
+            (void)rows_of_warp;
+            (void)waited;
+            groups_bulk_lanes_done();  // every lane's reads of this pass's stages before the next pass refills them
+#elif GROUPS_STAGES
             __shared__ __align__(16) unsigned char groups_ring[GROUPS_WARPS][GROUPS_STAGES][GROUPS_STAGE_BYTES];
             unsigned char(*ring)[GROUPS_STAGE_BYTES] = groups_ring[warp];
             int load_chunk = start;  // the next chunk the ring loads
@@ -420,11 +714,11 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                     load_chunk = next_chunk(load_chunk);
                 }
                 groups_commit();
-                uint4 xv[GROUPS_PAIRS][4];  // L1-resident: in before the chunk's bytes are
+                uint4 xv[GROUPS_PAIRS][GROUPS_X_WORDS];  // L1-resident: in before the chunk's bytes are
                 groups_x_load(xv, x_at, x_stride, x_chunk);
                 x_chunk = next_chunk(x_chunk);
                 groups_wait<GROUPS_STAGES - 1>();  // chunk c landed (this lane's copies)
-                groups_chunk(acc, groups_read(ring[stage_read], lane), xv, neg136, magic);
+                groups_chunk(acc, groups_read_at(ring[stage_read], lane, 1024 + 8 * lane, 1028 + 8 * lane), xv, neg136, magic);
                 stage_read = stage_read + 1 == GROUPS_STAGES ? 0 : stage_read + 1;
                 stage_fill = stage_fill + 1 == GROUPS_STAGES ? 0 : stage_fill + 1;
             }
@@ -443,7 +737,10 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                 waited = true;
             }
             // the activations of the c-th chunk walked in xv[c % 2] (GROUPS_DEPTH even: a static index in the ring)
-            uint4 xv[2][GROUPS_PAIRS][4];
+#if GROUPS_XSMEM  // the pass's activations into shared memory (the ring's first chunks in flight meanwhile)
+            groups_stage_pass(groups_xs, a, sorted_slots, top_k, pass, rows, chunks, K, token_of_lane, t, x_at, x_stride);
+#endif
+            uint4 xv[2][GROUPS_PAIRS][GROUPS_X_WORDS];
             groups_x_load(xv[0], x_at, x_stride, start);
             int x_chunk = next_chunk(start);  // the chunk whose activations load next
             int c0 = 0;
@@ -494,6 +791,8 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             }
             __syncthreads();  // read before the next pass writes
             if (slice || past_columns) continue;
+#elif GROUPS_XSMEM
+            if (past_columns) continue;
 #endif
             // lane (g, t): rows g (acc 0, 1: groups 2t', 2t'+1) and g + 8 (acc 2, 3) of token 2p + (t >= 2);
             // the two lanes t', t' ^ 1 of a token hold its four group parities

@@ -3,7 +3,7 @@ CUDA built-ins (tests/helpers/cuda_host) and run on the CPU: at every grid size 
 column tile, a few blocks each looping over several tiles, one block looping over all — the fused
 ``gemv_m1_add_rms_norm`` and ``gemv_m1_silu_mul`` give exactly the bits of the unfused kernels
 they replace (rms_norm.cu / elementwise.cu, then ``gemv_m1``), and those match the NumPy
-composition. The GPU tests (tests/gpu/test_fused_decode.py) check the same on the device."""
+composition; ``gemv_m1_pipelined`` gives ``gemv_m1``'s bits. The GPU tests (tests/gpu/test_fused_decode.py) check the same on the device."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def harness(request, tmp_path_factory) -> Path:
                            {"GEMV_BATCHED_TAIL": request.param})
 
 
-@pytest.mark.parametrize("k,n", [(256, 200), (1000, 61), (2824, 24)])  # 2824: a whole pass, then a partial one
+# 2824: a whole pass, then a partial one; 6152: three whole passes, then a partial one (gemv_m1_pipelined's loop)
+@pytest.mark.parametrize("k,n", [(256, 200), (1000, 61), (2824, 24), (6152, 9)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_fused_gemvs_equal_unfused_bits_at_every_grid(harness, tmp_path, k, n, with_residual):
     rng = np.random.default_rng(k + n + with_residual)
@@ -50,6 +51,7 @@ def test_fused_gemvs_equal_unfused_bits_at_every_grid(harness, tmp_path, k, n, w
     def bits(name: str, size: int) -> np.ndarray:
         return np.fromfile(tmp_path / f"{name}.bin", np.uint16)[:size]
 
+    assert np.array_equal(bits("pipelined_norm", n), bits("unfused_norm", n))  # gemv_m1_pipelined: gemv_m1's bits
     for g in range(len(grids)):
         assert np.array_equal(bits(f"fused_norm_{g}", n), bits("unfused_norm", n)), f"grid {grids[g]}"
         assert np.array_equal(bits(f"fused_residual_{g}", k), bits("unfused_residual", k)), f"grid {grids[g]}"

@@ -37,8 +37,19 @@ CASES = {"d4": {"GROUPS_DEPTH": 4}, "d2": {"GROUPS_DEPTH": 2}, "p2": {"GROUPS_DE
          "s2_k2_rb3": {"GROUPS_STAGES": 2, "GROUPS_KSPLIT": 2, "GROUPS_ROW_BLOCKS": 3},
          # a chunk's mma in 2 / 4 accumulator chains (GROUPS_ACC_CHAINS), with the SiLU·mul form too
          "acc2": {"GROUPS_DEPTH": 4, "GROUPS_ACC_CHAINS": 2}, "acc4": {"GROUPS_DEPTH": 2, "GROUPS_ACC_CHAINS": 4},
-         "acc2_silu": {"GROUPS_DEPTH": 4, "GROUPS_ACC_CHAINS": 2, "GROUPS_FUSE_SILU": 1}}
-CASE_N = {"rb2": 192, "s2_k2_rb3": 192}  # N of a case (default 48)
+         "acc2_silu": {"GROUPS_DEPTH": 4, "GROUPS_ACC_CHAINS": 2, "GROUPS_FUSE_SILU": 1},
+         # the ring filled by TMA bulk copies (GROUPS_BULK): deeper than K's three chunks, one that wraps (and
+         # carries its barrier phases over passes), the fused form, two token pairs a pass, several column blocks
+         "bulk8": {"GROUPS_BULK": 8}, "bulk2": {"GROUPS_BULK": 2}, "bulk2_silu": {"GROUPS_BULK": 2, "GROUPS_FUSE_SILU": 1},
+         "bulk4_p2": {"GROUPS_BULK": 4, "GROUPS_PAIRS": 2}, "bulk2_rb2": {"GROUPS_BULK": 2, "GROUPS_ROW_BLOCKS": 2},
+         # the pass's activations staged in shared memory as B registers with each group's sum (GROUPS_XSMEM 2 / 1
+         # token rows a pass): the ring of 4 and of 2, the fused form, several column blocks (N = 48: a block's last
+         # warp past N meets the block's barriers), the bulk ring, K split over 2 warps
+         "xs": {"GROUPS_XSMEM": 2}, "xs_d2": {"GROUPS_XSMEM": 2, "GROUPS_DEPTH": 2},
+         "xs_silu": {"GROUPS_XSMEM": 2, "GROUPS_FUSE_SILU": 1}, "xs_rb2": {"GROUPS_XSMEM": 2, "GROUPS_ROW_BLOCKS": 2},
+         "xs1": {"GROUPS_XSMEM": 1}, "xs1_bulk2_silu": {"GROUPS_XSMEM": 1, "GROUPS_BULK": 2, "GROUPS_FUSE_SILU": 1},
+         "xs2_bulk4_k2": {"GROUPS_XSMEM": 2, "GROUPS_BULK": 4, "GROUPS_KSPLIT": 2}}
+CASE_N = {"rb2": 192, "s2_k2_rb3": 192, "bulk2_rb2": 192, "xs_rb2": 192}  # N of a case (default 48)
 ROUTES = {"one_token": (1, 8, 4), "few": (5, 3, 2), "ragged": (12, 4, 3)}
 
 

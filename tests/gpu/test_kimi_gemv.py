@@ -19,15 +19,10 @@ pytestmark = pytest.mark.gpu
 BF16_TOL = 2e-2
 
 
-def _moe_cuda():
-    from openinfer.backend.cuda import moe
-
-    return moe
-
-
 def _int4_experts(rng, num_experts: int, out_features: int, in_features: int, layout: str = "rows"):
     """(device ExpertLinear in ``layout``, fp32 dequantized [E, N, K]); group 32."""
-    moe = _moe_cuda()
+    from openinfer.backend.cuda import moe  # callers took the cuda_moe fixture (its GPU check)
+
     dense = [bf16_random(rng, out_features, in_features, scale=0.05) for _ in range(num_experts)]
     packed = [quantize_int4_group(w, 32) for w in dense]
     scales = [float32_to_bf16(s) for _, s in packed]
@@ -48,7 +43,9 @@ GROUPED_KERNELS = [False, "moe_gemv", "wide", "wide_nc", "mma", "mma_nc", "mma_s
 LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "tiled1_nc_rot", "groups", "groups_d2",
                        "groups_norot_acc2", "groups_acc2", "groups_norot_acc4",
                        "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6",
-                       "groups_s8_k2", "groups_s8_p2", "groups_s8_p4"]
+                       "groups_s8_k2", "groups_s8_p2", "groups_s8_p4", "groups_bulk4", "groups_bulk8", "groups_bulk8_rot",
+                       "groups_bulk4_k2", "groups_bulk6_k2", "groups_xs", "groups_xs_d2", "groups_xs1", "groups_xs1_bulk4",
+                       "groups_xs1_bulk6", "groups_xs1_bulk4_k2"]
 
 
 def _kernel_id(kernel) -> str:
@@ -62,7 +59,7 @@ LAYOUT_EXPERT_KERNELS = [("tiled", k) for k in GROUPED_KERNELS] + [("lane_groups
 @pytest.mark.parametrize("layout,gemv_kernel", LAYOUT_EXPERT_KERNELS,
                          ids=[f"{layout}-{_kernel_id(k)}" for layout, k in LAYOUT_EXPERT_KERNELS])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_repacked_experts_equal_checkpoint_layout(cuda_backend, rng, layout, gemv_kernel, tokens):
+def test_repacked_experts_equal_checkpoint_layout(cuda_backend, cuda_moe, rng, layout, gemv_kernel, tokens):
     """Grouped over moe_sort's tiles (ragged: an idle expert, 1-2 rows per expert at 1 and 5 tokens, a 40-row
     tile at 40): weights repacked into ``layout`` (tiled, lane-groups) give the checkpoint layout's bits by the
     per-tile GEMM and every GEMV that reads them a word or 16 bytes at a time (moe_gemv_mma_staged, which reads
@@ -70,7 +67,7 @@ def test_repacked_experts_equal_checkpoint_layout(cuda_backend, rng, layout, gem
     (LAYOUT_GEMVS: moe_gemv_int4_tiled, moe_gemv_int4_groups, and what "auto" runs within LANE_GROUPS_CHOICE)
     apply the scales after the mma: fp32 rounding apart. N = 96 (six 16-row blocks: a block's last warps past
     N), K = 1152 (nine 128-weight chunks: the rings wrap); and the dequantized NumPy product."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     num_experts, top_k, out_features, in_features = 8, 2, 96, 1152
     rows_weight, reference = _int4_experts(rng, num_experts, out_features, in_features)
     repacked = moe.tiled_int4(rows_weight, layout)
@@ -86,7 +83,7 @@ def test_repacked_experts_equal_checkpoint_layout(cuda_backend, rng, layout, gem
                                                   gemv_kernel=kernel)) for weight in (rows_weight, repacked)]
     per_expert = tokens * top_k / num_experts
     ran = gemv_kernel if gemv_kernel else moe.layout_gemv(repacked, moe.gemv_for(per_expert, True, "int4"), None,
-                                                          per_expert) if gemv else None
+                                                          per_expert, one_token=tokens == 1) if gemv else None
     if ran in moe.LAYOUT_GEMVS[layout]:
         assert relative_error(outs[1], outs[0]) < 5e-3
     else:
@@ -107,11 +104,11 @@ LAYOUT_DENSE_METHODS = [("tiled", m, k) for m, k in (
 @pytest.mark.parametrize("layout,method,gemv_kernel", LAYOUT_DENSE_METHODS,
                          ids=[f"{layout}-{m}-{k}" for layout, m, k in LAYOUT_DENSE_METHODS])
 @pytest.mark.parametrize("rows", [1, 2, 9, 20])
-def test_repacked_dense_linear_equals_checkpoint_layout(cuda_backend, rng, layout, method, gemv_kernel, rows):
+def test_repacked_dense_linear_equals_checkpoint_layout(cuda_backend, cuda_moe, rng, layout, method, gemv_kernel, rows):
     """A dense INT4 linear (E = 1) repacked into ``layout``: the checkpoint layout's bits by every method, the
     layout's own GEMV (moe_gemv_int4_tiled / moe_gemv_int4_groups: passes of 2 or 4 rows, a lone last row at 9)
     within fp32 rounding of moe_gemv_mma; the dequantized product; moe_dequantize gives the same bf16 weight."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     weight, reference = _int4_experts(rng, 1, 256, 512)
     repacked = moe.tiled_int4(weight, layout)
     x = cuda_backend.upload(bf16_random(rng, rows, 512))
@@ -128,12 +125,12 @@ def test_repacked_dense_linear_equals_checkpoint_layout(cuda_backend, rng, layou
 
 
 @pytest.mark.parametrize("layout", ["tiled", "lane_groups"])
-def test_int4_layout_switch(rng, monkeypatch, layout):
+def test_int4_layout_switch(cuda_moe, rng, monkeypatch, layout):
     """$OPENINFER_INT4_LAYOUT=``layout`` repacks INT4 uploads that fit (group 32, N % 16, K % 128), the rest stay
     as stored (N = 40, K = 224: not whole 16-row blocks / 128-weight chunks); unset, uploads take
     DEFAULT_INT4_LAYOUT; the device repack is tile_int4's (untile_int4 gives the checkpoint arrays back); a
     repacked weight is not repacked again; an unknown layout is a clear error."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     monkeypatch.setenv(moe.INT4_LAYOUT_ENV, layout)
     fits, _ = _int4_experts(rng, 2, 64, 256, layout=None)
     assert fits.layout == layout
@@ -155,16 +152,41 @@ def test_int4_layout_switch(rng, monkeypatch, layout):
         moe.tiled_int4(stored, "columns")
 
 
+def test_lane_groups_one_token_choice_and_shared_memory(cuda_moe, rng, monkeypatch):
+    """LANE_GROUPS_ONE_TOKEN runs a one-token grouped step (every tile one row) ahead of LANE_GROUPS_CHOICE, and only
+    there; a forced kernel wins; groups_shared_bytes sizes GROUPS_XSMEM's staged rows and the bulk ring, and says
+    clearly when a block cannot hold them."""
+    moe = cuda_moe
+    weight = moe.tiled_int4(_int4_experts(rng, 4, 64, 256)[0], "lane_groups")
+    monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
+    table = moe.layout_gemv(weight, "mma_staged", None, 0.02)
+    assert moe.layout_gemv(weight, "mma_staged", None, 0.02, one_token=True) == table  # unset: the table's
+    monkeypatch.setattr(moe, "LANE_GROUPS_ONE_TOKEN", "groups_xs1_bulk4")
+    assert moe.layout_gemv(weight, "mma_staged", None, 0.02, one_token=True) == "groups_xs1_bulk4"
+    assert moe.layout_gemv(weight, "mma_staged", None, 0.04) == table
+    assert moe.layout_gemv(weight, "mma_staged", "groups_bulk8", 0.02, one_token=True) == "groups_bulk8"
+    x = cupy.asarray(float32_to_bf16(rng.standard_normal((1, 256)).astype(np.float32)))
+    one = moe.group_by_expert(cupy.asarray(np.array([[0, 2]], np.int32)), cupy.ones((1, 2), cupy.float32), 4)
+    two = moe.group_by_expert(cupy.asarray(np.array([[0, 2], [0, 1]], np.int32)), cupy.ones((2, 2), cupy.float32), 4)
+    monkeypatch.setenv(moe.GEMV_SILU_ENV, "1")
+    assert moe.gemv_silu_kernel(x, weight, one) == "groups_xs1_bulk4"
+    assert moe.gemv_silu_kernel(cupy.concatenate([x, x]), weight, two) != "groups_xs1_bulk4"
+    assert moe.groups_shared_bytes({"GROUPS_XSMEM": 1}, 7168) == (0, (4 * 56 + 1) * 80)
+    assert moe.groups_shared_bytes({"GROUPS_XSMEM": 2, "GROUPS_BULK": 4}, 2048) == (4 * 4 * 1288, (8 * 16 + 1) * 80)
+    with pytest.raises(ValueError, match="shared memory"):
+        moe.groups_shared_bytes({"GROUPS_XSMEM": 2, "GROUPS_BULK": 8}, 128 * 400)
+
+
 @pytest.mark.parametrize("after_route", ["0", "1"])
 @pytest.mark.parametrize("tokens", [1, 3, 64])
-def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens, after_route):
+def test_shared_overlap_equals_inline(cuda_backend, cuda_moe, rng, monkeypatch, tokens, after_route):
     """$OPENINFER_MOE_SHARED_OVERLAP=1 (unset: up to SHARED_OVERLAP_MAX_TOKENS tokens): moe_forward runs
     the shared expert on a side stream beside the routed ones (OPENINFER_MOE_SHARED_AFTER_ROUTE=1: forked after
     the routing); the same kernels on the same inputs give the same bits as inline, eagerly and replayed from a
     CUDA graph captured across both streams."""
     from openinfer.moe import RouterSpec
 
-    moe = _moe_cuda()
+    moe = cuda_moe
     hidden, inter, experts = 256, 128, 16
     gate_up, _ = _int4_experts(rng, experts, 2 * inter, hidden)
     down, _ = _int4_experts(rng, experts, hidden, inter)
@@ -215,12 +237,12 @@ def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens, af
 
 @pytest.mark.parametrize("gemv_kernel", ["tiled1_nc_rot", "tiled1_nc_rot_d6", "tiled"])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_gate_up_silu_gemv_equals_unfused(cuda_backend, rng, monkeypatch, gemv_kernel, tokens):
+def test_gate_up_silu_gemv_equals_unfused(cuda_backend, cuda_moe, rng, monkeypatch, gemv_kernel, tokens):
     """OPENINFER_MOE_GEMV_SILU=1: the tiled decode GEMV with SiLU·mul fused (each warp its 16 gate rows, then
     the 16 up rows) gives the bits of the same GEMV then elementwise silu_mul; I = 48 (three 16-row blocks
     per half: a block's last warp past I), K = 1152 (nine chunks: the ring wraps across the gate/up seam);
     routed_experts takes it where the switch is on and the step's GEMV is a register-ring tiled one."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     num_experts, top_k, inter, hidden = 8, 2, 48, 1152
     gate_up = moe.tiled_int4(_int4_experts(rng, num_experts, 2 * inter, hidden)[0])
     x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
@@ -247,11 +269,11 @@ def test_gate_up_silu_gemv_equals_unfused(cuda_backend, rng, monkeypatch, gemv_k
 
 @pytest.mark.parametrize("gemv_kernel", ["wide", "wide_nc", "wide2", "wide8_r1_nc"])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_wide_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_kernel, tokens):
+def test_wide_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, monkeypatch, gemv_kernel, tokens):
     """OPENINFER_MOE_GEMV_SILU=1 on bf16 experts (Moonlight's decode GEMV, moe_gemv_wide): each warp's columns
     half gate, half up, SiLU·mul in its epilogue; the bits of the same GEMV then silu_mul. I = 42 (a warp
     past I), H = 264 (a partial last pass); gemv_silu_kernel names the step's wide GEMV (unset: the table's)."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     num_experts, top_k, inter, hidden = 8, 2, 42, 264
     gate_up = moe.upload_expert_linear("bf16", float32_to_bf16(bf16_random(rng, num_experts, 2 * inter, hidden,
                                                                            scale=0.05)), None, (2 * inter, hidden))
@@ -277,14 +299,19 @@ def test_wide_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_k
 # --- the lane-groups layout (tile_int4(lane_groups=True), moe.cu INT4_TILED 2) and moe_int4.cu's GEMV ---
 
 
+@pytest.mark.parametrize("gemv_kernel", [None, "groups_bulk8", "groups_bulk4_k2", "groups_xs", "groups_xs1_bulk4",
+                                         "groups_xs1_bulk4_k2"])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 64])
-def test_lane_groups_moe_forward_equals_rows(cuda_backend, rng, tokens):
+def test_lane_groups_moe_forward_equals_rows(cuda_backend, cuda_moe, rng, monkeypatch, tokens, gemv_kernel):
     """moe_forward (routing, gate_up GEMV, SiLU·mul, down GEMV, weighted combine) with lane-groups experts:
     within bf16 rounding of the checkpoint layout's block (1-3 tokens: moe_gemv_int4_groups; 64: past
-    LANE_GROUPS_CHOICE, the table's kernel), and a CUDA-graph replay gives the eager bits."""
+    LANE_GROUPS_CHOICE, the table's kernel; ``gemv_kernel``: that one forced, the TMA bulk rings), and a CUDA-graph
+    replay gives the eager bits."""
     from openinfer.moe import RouterSpec
 
-    moe = _moe_cuda()
+    moe = cuda_moe
+    if gemv_kernel is not None:
+        monkeypatch.setenv(moe.GEMV_KERNEL_ENV, gemv_kernel)
     hidden, inter, experts = 256, 128, 16
     gate_up, _ = _int4_experts(rng, experts, 2 * inter, hidden)
     down, _ = _int4_experts(rng, experts, hidden, inter)
@@ -312,15 +339,18 @@ def test_lane_groups_moe_forward_equals_rows(cuda_backend, rng, tokens):
         assert np.array_equal(cuda_backend.to_host(out), eager)
 
 
-@pytest.mark.parametrize("gemv_kernel", ["groups", "groups_d2", "groups_d6", "groups_norot", "groups_s8", "groups_s8_k2"])
+@pytest.mark.parametrize("gemv_kernel", ["groups", "groups_d2", "groups_d6", "groups_norot", "groups_s8", "groups_s8_k2",
+                                         "groups_bulk4", "groups_bulk8", "groups_bulk4_k2", "groups_bulk6_k2",
+                                         "groups_xs", "groups_xs_d2", "groups_xs1", "groups_xs1_bulk4",
+                                         "groups_xs1_bulk6", "groups_xs1_bulk4_k2"])
 @pytest.mark.parametrize("tokens", [1, 2, 40])
-def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_kernel, tokens):
+def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, monkeypatch, gemv_kernel, tokens):
     """OPENINFER_MOE_GEMV_SILU=1 with lane-groups gate_up: moe_gemv_int4_groups with SiLU·mul fused (each warp
     8 gate rows and their 8 up rows, one walk of K) against the same GEMV then elementwise silu_mul, and against
     the NumPy composition; I = 40 (a block's last warp past I, gate and up rows in different 16-row blocks),
     K = 1152 (nine chunks: the ring wraps). routed_experts takes it unset up to LANE_GROUPS_SILU_MAX_SLOTS slots per
     expert, with =1 at any size, never with =0."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     num_experts, top_k, inter, hidden = 8, 2, 40, 1152
     rows_weight, reference = _int4_experts(rng, num_experts, 2 * inter, hidden)
     gate_up = moe.tiled_int4(rows_weight, "lane_groups")
@@ -352,57 +382,14 @@ def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch,
         moe.gate_up_silu_gemv(x, rows_weight, grouping, gemv_kernel)
 
 
-@pytest.mark.parametrize("columns", [2, 4])
-@pytest.mark.parametrize("n,k", [(12288, 1536), (100, 264), (37, 7168)])
-def test_gemv_m1_cols_equals_gemv_m1(rng, columns, n, k):
-    """gemv.cu gemv_m1_cols (GEMV_M1_COLS columns per warp, one row; opt-in): gemv_m1's bits, N not a whole
-    number of blocks (a warp's last columns past N), K with a partial last pass; and the NumPy product."""
-    from openinfer.backend.cuda.loader import kernel
-
-    w_host = bf16_random(rng, n, k, scale=0.02)
-    x_host = bf16_random(rng, 1, k)
-    w, x = cupy.asarray(float32_to_bf16(w_host)), cupy.asarray(float32_to_bf16(x_host))
-    null = np.uint64(0)
-    outs = []
-    for name, defines, per_warp in (("gemv_m1", {}, 1), ("gemv_m1_cols", {"GEMV_M1_COLS": columns}, columns)):
-        out = cupy.zeros((1, n), cupy.uint16)
-        kernel("gemv.cu", name, **defines)((-(-n // (8 * per_warp)),), (256,),
-                                           (x, w, null, out, np.int32(1), np.int32(n), np.int32(k)))
-        outs.append(cupy.asnumpy(out))
-    assert np.array_equal(outs[1], outs[0])
-    assert relative_error((outs[1].astype(np.uint32) << 16).view(np.float32), x_host @ w_host.T) < BF16_TOL
-
-
-@pytest.mark.parametrize("ksplit", [2, 4, 8])
-@pytest.mark.parametrize("n,k", [(2112, 7168), (37, 1536), (100, 264)])
-def test_gemv_m1_ksplit_equals_numpy(rng, ksplit, n, k):
-    """gemv.cu gemv_m1_ksplit (each column's K over GEMV_KSPLIT warps, summed in shared memory; opt-in): the
-    NumPy product within bf16 rounding and gemv_m1 within fp32 rounding, N not a whole number of blocks (warps
-    past N meet the barrier), K not whole 256-element steps and fewer steps than slices (K = 264)."""
-    from openinfer.backend.cuda.loader import kernel
-
-    w_host = bf16_random(rng, n, k, scale=0.02)
-    x_host = bf16_random(rng, 1, k)
-    w, x = cupy.asarray(float32_to_bf16(w_host)), cupy.asarray(float32_to_bf16(x_host))
-    null = np.uint64(0)
-    outs = []
-    for name, defines, per_block in (("gemv_m1", {}, 8), ("gemv_m1_ksplit", {"GEMV_KSPLIT": ksplit}, 8 // ksplit)):
-        out = cupy.zeros((1, n), cupy.uint16)
-        kernel("gemv.cu", name, **defines)((-(-n // per_block),), (256,),
-                                           (x, w, null, out, np.int32(1), np.int32(n), np.int32(k)))
-        outs.append((cupy.asnumpy(out).astype(np.uint32) << 16).view(np.float32))
-    assert relative_error(outs[1], outs[0]) < 5e-3
-    assert relative_error(outs[1], x_host @ w_host.T) < BF16_TOL
-
-
 @pytest.mark.parametrize("row_blocks", ["2", "3", "auto"])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_lane_groups_row_blocks_equal_one(cuda_backend, rng, monkeypatch, row_blocks, tokens):
+def test_lane_groups_row_blocks_equal_one(cuda_backend, cuda_moe, rng, monkeypatch, row_blocks, tokens):
     """OPENINFER_INT4_ROW_BLOCKS (moe_int4.cu GROUPS_ROW_BLOCKS: each block several column blocks in turn, the
     grid narrower): the bits of one column block per block (the same sums per row), N = 1040 (17 blocks of 64
     columns, a last block past N); "auto" picks by waves: Kimi-K2's batch-1 down (112 x 9 blocks) twice, its
     gate_up (64 x 9) and any prefill-sized grid once; a bad value is a clear error."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     num_experts, top_k, out_features, in_features = 8, 4, 1040, 256
     weight = moe.tiled_int4(_int4_experts(rng, num_experts, out_features, in_features)[0], "lane_groups")
     x = cuda_backend.upload(bf16_random(rng, tokens, in_features))
@@ -452,6 +439,33 @@ def test_gemv_m1_rms_scaled_matches_numpy(cuda_backend, rng, monkeypatch, n, k):
         cuda_linear.rms_scaled_wanted(x, layer)
 
 
+@pytest.mark.parametrize("n,k", [(2112, 7168), (37, 8192), (100, 2056), (9, 6152)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_m1_pipelined_equals_gemv_m1(cuda_backend, rng, monkeypatch, n, k, bias):
+    """gemv.cu gemv_m1_pipelined (OPENINFER_GEMV_PIPELINED=1: the next pass's loads in flight while a pass multiplies)
+    through the CUDA backend's linear: gemv_m1's bits (Kimi-K2's qkv_a, o_proj-long rows, one step past a pass, three
+    whole passes and a partial one), the NumPy product within bf16 rounding; rows within a pass keep gemv_m1; a bad
+    value errors."""
+    from openinfer.backend.cuda import linear as cuda_linear
+
+    w_host = bf16_random(rng, n, k, scale=0.02)
+    b_host = bf16_random(rng, n, scale=0.5) if bias else None
+    layer = cuda_backend.linear_weight(w_host, b_host)
+    x_host = bf16_random(rng, 1, k)
+    x = cuda_backend.upload(x_host)
+    monkeypatch.setenv(cuda_linear.PIPELINED_GEMV_ENV, "0")
+    plain = cuda_backend.to_host(cuda_backend.linear(x, layer))
+    monkeypatch.setenv(cuda_linear.PIPELINED_GEMV_ENV, "1")
+    assert cuda_linear.pipelined_gemv_wanted(k) and not cuda_linear.pipelined_gemv_wanted(2048)
+    pipelined = cuda_backend.to_host(cuda_backend.linear(x, layer))
+    assert np.array_equal(pipelined, plain)
+    expected = x_host @ w_host.T + (0 if b_host is None else b_host)
+    assert relative_error(pipelined, expected) < BF16_TOL
+    monkeypatch.setenv(cuda_linear.PIPELINED_GEMV_ENV, "sometimes")
+    with pytest.raises(ValueError, match="must be 1 or 0"):
+        cuda_linear.pipelined_gemv_wanted(k)
+
+
 def test_weight_prefetch_is_a_hint(cuda_backend, rng, monkeypatch):
     """linear.start_weight_prefetch (OPENINFER_L2_WEIGHT_PREFETCH_MB): a weight's last bytes pulled into L2 from a
     side stream changes no result, eagerly or inside a captured graph (the fork joined); 0 / unset: nothing
@@ -490,7 +504,7 @@ def test_weight_prefetch_is_a_hint(cuda_backend, rng, monkeypatch):
 
 @pytest.mark.parametrize("silu", ["0", "1"])
 @pytest.mark.parametrize("router", ["warps", "blocks", "fused"])
-def test_decode_pdl_same_bits(cuda_backend, rng, monkeypatch, router, silu):
+def test_decode_pdl_same_bits(cuda_backend, cuda_moe, rng, monkeypatch, router, silu):
     """OPENINFER_DECODE_PDL=1 (programmatic dependent launch of gemv_m1, gemv_m1_rms_scaled, the decode routers,
     moe_route_sort and moe_gemv_int4_groups; weights loaded before the wait for the previous kernel): a batch-1
     chain of them — q_a_norm + q_b (one launch), a dense GEMV, then the MoE block with lane-groups INT4 experts —
@@ -500,7 +514,7 @@ def test_decode_pdl_same_bits(cuda_backend, rng, monkeypatch, router, silu):
     from openinfer.backend.cuda import linear as cuda_linear
     from openinfer.moe import RouterSpec
 
-    moe = _moe_cuda()
+    moe = cuda_moe
     hidden, inter, experts, q_lora = 512, 128, 32, 256
     q_b = cuda_backend.linear_weight(bf16_random(rng, hidden, q_lora, scale=0.05))
     o_proj = cuda_backend.linear_weight(bf16_random(rng, hidden, hidden, scale=0.05))
@@ -543,26 +557,3 @@ def test_decode_pdl_same_bits(cuda_backend, rng, monkeypatch, router, silu):
     monkeypatch.setenv(cuda_linear.DECODE_PDL_ENV, "sometimes")
     with pytest.raises(ValueError, match="must be 1 or 0"):
         cuda_linear.decode_pdl()
-
-
-@pytest.mark.parametrize("n,k", [(2112, 7168), (37, 7168), (100, 4104)])
-def test_gemv_m1_deep_equals_gemv_m1(cuda_backend, rng, monkeypatch, n, k):
-    """gemv.cu gemv_m1_deep (OPENINFER_GEMV_DEEP=1: passes of 16 raw loads a lane): gemv_m1's bits through
-    linear() — Kimi-K2's qkv_a, a partial last pass, a row of 4104 (one full pass, then 1 step) — and the NumPy
-    product; shapes past its bounds (short rows, grids of many blocks) keep gemv_m1; a bad value errors."""
-    from openinfer.backend.cuda import linear as cuda_linear
-
-    w_host = bf16_random(rng, n, k, scale=0.02)
-    x_host = bf16_random(rng, 1, k)
-    layer, x = cuda_backend.linear_weight(w_host), cuda_backend.upload(x_host)
-    monkeypatch.setenv(cuda_linear.DEEP_GEMV_ENV, "0")
-    plain = cuda_backend.to_host(cuda_backend.linear(x, layer))
-    monkeypatch.setenv(cuda_linear.DEEP_GEMV_ENV, "1")
-    assert cuda_linear.deep_gemv_wanted(-(-n // 8), k)
-    deep = cuda_backend.to_host(cuda_backend.linear(x, layer))
-    assert np.array_equal(deep, plain)
-    assert relative_error(deep, x_host @ w_host.T) < BF16_TOL
-    assert not cuda_linear.deep_gemv_wanted(10**6, k) and not cuda_linear.deep_gemv_wanted(10, 2048)
-    monkeypatch.setenv(cuda_linear.DEEP_GEMV_ENV, "deeper")
-    with pytest.raises(ValueError, match="must be 1 or 0"):
-        cuda_linear.deep_gemv_wanted(10, k)

@@ -28,20 +28,14 @@ REF = NumpyBackend()
 BF16_TOL = 2e-2
 
 
-def _moe_cuda():
-    from openinfer.backend.cuda import moe
-
-    return moe
-
-
 @pytest.mark.parametrize("spec", [
     RouterSpec(64, 8, "sigmoid", routed_scaling_factor=2.5),
     RouterSpec(64, 6, "sigmoid", num_groups=8, topk_groups=3, routed_scaling_factor=1.5),
     RouterSpec(60, 4, "softmax", norm_topk_prob=False),
     RouterSpec(48, 6, "sqrtsoftplus", routed_scaling_factor=1.5),
 ], ids=["sigmoid", "groups", "softmax", "sqrtsoftplus"])
-def test_moe_route_matches_numpy(cuda_backend, rng, spec):
-    moe = _moe_cuda()
+def test_moe_route_matches_numpy(cuda_backend, cuda_moe, rng, spec):
+    moe = cuda_moe
     x, gate = bf16_random(rng, 77, 256), bf16_random(rng, spec.num_experts, 256, scale=0.1)
     bias = (0.3 * rng.standard_normal(spec.num_experts)).astype(np.float32) if spec.scoring != "softmax" else None
     ids, weights = moe.route(cuda_backend.upload(x), cuda_backend.weight(gate), spec,
@@ -55,12 +49,12 @@ def test_moe_route_matches_numpy(cuda_backend, rng, spec):
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 256])
-def test_fast_routing_equals_default(cuda_backend, rng, monkeypatch, tokens):
+def test_fast_routing_equals_default(cuda_backend, cuda_moe, rng, monkeypatch, tokens):
     """$OPENINFER_MOE_FAST_ROUTING (default) against =0: the same ids and weights, moe_sort_parallel
     gives moe_sort's offsets and tile list, each expert's segment holding exactly its slots, and
     moe_combine over a block per 256 columns the same output. Kimi-K2's 384 experts top-8 at 7168
     wide; 256 tokens: experts with more than one 64-row tile."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     spec = RouterSpec(384, 8, "sigmoid", routed_scaling_factor=2.827)
     x = cuda_backend.upload(bf16_random(rng, tokens, 7168))
     gate = cuda_backend.weight(bf16_random(rng, 384, 7168, scale=0.05))
@@ -93,12 +87,12 @@ def test_fast_routing_equals_default(cuda_backend, rng, monkeypatch, tokens):
 
 
 @pytest.mark.parametrize("tokens,experts,hidden", [(77, 60, 264), (300, 64, 2048), (64, 384, 7168)])
-def test_router_logits_mma_matches_numpy(cuda_backend, rng, tokens, experts, hidden):
+def test_router_logits_mma_matches_numpy(cuda_backend, cuda_moe, rng, tokens, experts, hidden):
     """moe_router_logits_mma (64 tokens x 64 experts per block, tensor cores) against NumPy's fp32 logits
     and moe_router_logits: token, expert and hidden counts off its 64-wide tiles (zeros past them), Moonlight's
     and Kimi-K2's router shapes; the route it feeds picks the same experts, moe_route in blocks of a thread
     per expert (``narrow``) the same ids and weights as in 256-thread blocks."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     spec = RouterSpec(experts, 6, "sigmoid", routed_scaling_factor=2.446)
     x, gate = bf16_random(rng, tokens, hidden), bf16_random(rng, experts, hidden, scale=0.05)
     x_device, gate_device = cuda_backend.upload(x), cuda_backend.weight(gate)
@@ -120,14 +114,14 @@ def test_router_logits_mma_matches_numpy(cuda_backend, rng, tokens, experts, hid
     (1, 384, 8, 0, 7168, "sigmoid"), (4, 384, 8, 1, 7168, "sigmoid"), (1, 64, 6, 2, 2048, "sigmoid"),
     (3, 60, 4, 0, 264, "softmax"), (2, 512, 16, 0, 256, "sqrtsoftplus")],
     ids=["kimi1", "kimi4_shared", "moonlight1_shared2", "softmax3", "sqrtsoftplus2"])
-def test_router_blocks_and_fused_route_match_numpy(cuda_backend, rng, monkeypatch, tokens, experts, top_k, shared,
-                                                   hidden, scoring):
+def test_router_blocks_and_fused_route_match_numpy(cuda_backend, cuda_moe, rng, monkeypatch, tokens, experts, top_k,
+                                                   shared, hidden, scoring):
     """Decode-sized routing with a block per expert: moe_router_logits_blocks (OPENINFER_MOE_ROUTER_BLOCKS=1)
     against NumPy's fp32 logits; moe_router_route_sort (OPENINFER_MOE_ROUTER_FUSED=1, logits + top-k + grouping in
     one launch, the last block routing) against NumPy's route and moe_sort_parallel's layout of its ids (fused
     shared experts' columns too), the bits of the two launches (blocks logits + moe_route_sort), three eager calls
     and two graph replays alike (the ticket counter starts at zero each time)."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     router = RouterSpec(experts, top_k, scoring, norm_topk_prob=scoring != "softmax", routed_scaling_factor=2.446)
     x, gate = bf16_random(rng, tokens, hidden), bf16_random(rng, experts, hidden, scale=0.05)
     bias = None if scoring == "softmax" else (0.3 * rng.standard_normal(experts)).astype(np.float32)
@@ -195,12 +189,12 @@ def test_router_blocks_and_fused_route_match_numpy(cuda_backend, rng, monkeypatc
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 64, 6), (700, 64, 6), (1500, 384, 8), (3001, 7, 3)])
-def test_group_blocks_equal_sort_parallel(cuda_backend, rng, tokens, experts, top_k):
+def test_group_blocks_equal_sort_parallel(cuda_backend, cuda_moe, rng, tokens, experts, top_k):
     """moe_expert_counts + moe_place_slots (one block per expert) against moe_sort_parallel: the same
     offsets and tile list, each expert's segment its slots in slot order, slot_pos the inverse; an
     expert with no slot, one with dozens of 64-row tiles; 9003 slots: two passes of 1024 threads x 8
     slots and a partial last group of 8."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     ids = np.stack([rng.choice(np.arange(1, experts), top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
     if tokens >= 700:
         ids[:, 0] = experts - 1  # every token: ⌈tokens / 64⌉ tiles of the last expert
@@ -221,8 +215,8 @@ def test_group_blocks_equal_sort_parallel(cuda_backend, rng, tokens, experts, to
     assert np.array_equal(slot_pos[sorted_slots], np.arange(flat.size))
 
 
-def test_moe_hash_routing(cuda_backend, rng):
-    moe = _moe_cuda()
+def test_moe_hash_routing(cuda_backend, cuda_moe, rng):
+    moe = cuda_moe
     spec = RouterSpec(16, 3, "sqrtsoftplus", routed_scaling_factor=1.5)
     x, gate = bf16_random(rng, 9, 64), bf16_random(rng, 16, 64, scale=0.1)
     tid2eid = np.stack([rng.permutation(16)[:3] for _ in range(50)]).astype(np.int64)
@@ -236,7 +230,8 @@ def test_moe_hash_routing(cuda_backend, rng):
 
 def _expert_weights(rng, fmt, num_experts, out_features, in_features, group=32):
     """(device ExpertLinear, fp32 dequantized [E, N, K]) in ``fmt`` (INT4 groups of ``group``)."""
-    moe = _moe_cuda()
+    from openinfer.backend.cuda import moe  # callers took the cuda_moe fixture (its GPU check)
+
     dense = [bf16_random(rng, out_features, in_features, scale=0.05) for _ in range(num_experts)]
     if fmt == "bf16":
         bits = np.stack([float32_to_bf16(w) for w in dense])
@@ -258,13 +253,13 @@ def _expert_weights(rng, fmt, num_experts, out_features, in_features, group=32):
                          ids=["tiles", "gemv", "gemv-wide", "gemv-wide2", "gemv-mma", "gemv-mma-depth4",
                               "gemv-mma-split4", "blas"])
 @pytest.mark.parametrize("fmt", ["bf16", "int4", "fp8"])
-def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv, monkeypatch):
+def test_fused_moe_matches_numpy_experts(cuda_backend, cuda_moe, rng, fmt, gemv, monkeypatch):
     """Ragged expert loads: an expert with no token, one with more than a 64-row tile; N and K
     not multiples of the tile (K a multiple of the INT4 group). The tensor-core grouped GEMM, the
     decode kernels (moe_gemv, moe_gemv_wide's shapes, moe_gemv_mma: a 70-row tile in five passes)
     on the same tiles, and cuBLAS per expert (the prefill path, its row threshold lowered to take
     this small batch)."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     num_experts, top_k, hidden, inter, tokens = 8, 3, 160, 224, 90
     gate_up, gate_up_ref = _expert_weights(rng, fmt, num_experts, 2 * inter, hidden)
     down, down_ref = _expert_weights(rng, fmt, num_experts, hidden, inter)
@@ -294,13 +289,13 @@ def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv, monkeypat
 
 
 @pytest.mark.parametrize("stages,shape", [(4, "n128"), (3, "n128"), (4, "n256"), (4, "n64")])
-def test_pipelined_grouped_gemm_matches_tiles_and_numpy(cuda_backend, rng, stages, shape, monkeypatch):
+def test_pipelined_grouped_gemm_matches_tiles_and_numpy(cuda_backend, cuda_moe, rng, stages, shape, monkeypatch):
     """moe_grouped_gemm_pipelined on the ragged experts of test_fused_moe_matches_numpy_experts (an
     empty expert, one past a 64-row tile, 1-15-row tiles; N and K not multiples of its 128 x 64 tile;
     fused: I = 224, a half-used last block): the same bits as the per-tile GEMM (the same mma k order),
     the fused gate_up the same bits as gate_up then silu_mul, the whole experts within bf16 of NumPy,
     and a CUDA graph replay of the pipelined experts equal to the eager run."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     monkeypatch.setattr(moe, "PIPE_STAGES", stages)
     num_experts, top_k, hidden, inter, tokens = 8, 3, 160, 224, 90
     gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
@@ -341,12 +336,12 @@ def test_pipelined_grouped_gemm_matches_tiles_and_numpy(cuda_backend, rng, stage
     assert np.array_equal(y_graph.get(), y_tiles.get())
 
 
-def test_pipelined_mode_switch(cuda_backend, rng, monkeypatch):
+def test_pipelined_mode_switch(cuda_backend, cuda_moe, rng, monkeypatch):
     """OPENINFER_MOE_PIPELINED: DEFAULT_PIPELINED_MODE (fused) when unset; tiles/fused take the pipelined
     kernel above PIPELINED_ABOVE_ROWS_PER_EXPERT slots per expert (up to it, the decode GEMV), never for
     other formats or a forced GEMV; moe_forward fuses gate_up only in fused mode; a bad value is a clear
     error."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     monkeypatch.delenv(moe.PIPELINED_ENV, raising=False)
     monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
     monkeypatch.setenv("OPENINFER_MOE_SM90", "0")  # the pipelined kernel where the Hopper one would run
@@ -378,14 +373,6 @@ def test_pipelined_mode_switch(cuda_backend, rng, monkeypatch):
     assert np.array_equal(on.get(), moe.grouped_gemm(x_many, weight, many, True, False).get())
 
 
-def _sm90_moe():
-    from openinfer.backend.cuda import moe_sm90
-
-    if not moe_sm90.sm90_supported():
-        pytest.skip("moe_grouped_gemm_sm90 needs a compute capability 9.0 GPU")
-    return moe_sm90
-
-
 def _expert_rows_reference(a: np.ndarray, weight: np.ndarray, sorted_slots: np.ndarray, offsets: np.ndarray,
                            top_k: int, gather: bool) -> np.ndarray:
     """fp32 ``A[row(p)] · W_e(p)^T`` for every slot p in expert order (the grouped GEMM's op)."""
@@ -397,7 +384,7 @@ def _expert_rows_reference(a: np.ndarray, weight: np.ndarray, sorted_slots: np.n
 
 
 @pytest.mark.parametrize("stages,multicast", [(4, False), (3, False), (4, True)], ids=["s4", "s3", "s4-pairs"])
-def test_sm90_grouped_gemm_matches_numpy(cuda_backend, rng, stages, multicast):
+def test_sm90_grouped_gemm_matches_numpy(cuda_backend, cuda_moe, sm90_moe, rng, stages, multicast):
     """moe_grouped_gemm_sm90 on ragged experts: an empty expert, one over two 128-slot tiles (a 200+
     row expert), tiles of 1-64 slots (the second consumer warpgroup all padding), K = 200 (a partial
     64-wide k-tile: TMA's and cp.async's zeros), N = 304 and I = 152 (partial 256- / 128-column tiles,
@@ -406,7 +393,7 @@ def test_sm90_grouped_gemm_matches_numpy(cuda_backend, rng, stages, multicast):
     per expert; the whole experts + combine within bf16 of run_experts; a CUDA graph replay equals
     the eager run (nothing read back on the host). Pairs (TMA multicast): 256-slot units, expert 7's
     5 slots leave the pair's second CTA without a slot."""
-    moe, moe_sm90 = _moe_cuda(), _sm90_moe()
+    moe, moe_sm90 = cuda_moe, sm90_moe
     num_experts, top_k, hidden, inter, tokens = 8, 3, 200, 152, 300
     gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
     down, down_ref = _expert_weights(rng, "bf16", num_experts, hidden, inter)
@@ -461,11 +448,11 @@ def test_sm90_grouped_gemm_matches_numpy(cuda_backend, rng, stages, multicast):
     assert np.array_equal(graph_out.get(), y.get())
 
 
-def test_sm90_switch_and_dispatch(cuda_backend, rng, monkeypatch):
+def test_sm90_switch_and_dispatch(cuda_backend, cuda_moe, sm90_moe, rng, monkeypatch):
     """OPENINFER_MOE_SM90: off by default; 1 sends bf16 grouped GEMMs above SM90_ABOVE_ROWS_PER_EXPERT
     slots per expert (and moe_forward's fused gate_up) to the Hopper kernel, whose result matches the
     per-tile GEMM; never INT4 weights, a forced GEMV or fewer slots; a bad value is a clear error."""
-    moe, moe_sm90 = _moe_cuda(), _sm90_moe()
+    moe, moe_sm90 = cuda_moe, sm90_moe
     monkeypatch.delenv(moe_sm90.SM90_ENV, raising=False)
     monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
     assert moe_sm90.sm90_enabled() is moe_sm90.DEFAULT_SM90
@@ -495,10 +482,10 @@ def test_sm90_switch_and_dispatch(cuda_backend, rng, monkeypatch):
     assert not moe_sm90.sm90_experts(x, weight, many_slots)
 
 
-def test_blas_experts_only_in_big_eager_steps(cuda_backend, rng, monkeypatch):
+def test_blas_experts_only_in_big_eager_steps(cuda_backend, cuda_moe, rng, monkeypatch):
     """cuBLAS per expert reads the routing's counts on the host: on by default (OPENINFER_MOE_BLAS=0
     turns it off), never for small steps, never while a CUDA graph is captured."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     monkeypatch.delenv(moe.BLAS_ENV, raising=False)
     weight, _ = _expert_weights(rng, "bf16", 4, 64, 64)
     big = moe.BLAS_MIN_ROWS_PER_EXPERT * 4
@@ -520,10 +507,10 @@ def test_blas_experts_only_in_big_eager_steps(cuda_backend, rng, monkeypatch):
 @pytest.mark.parametrize("method", ["gemv", "tiles", "dequantize"])
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 @pytest.mark.parametrize("rows", [1, 3, 9, 64, 65, 130])
-def test_quantized_linear_matches_dequantized(cuda_backend, rng, fmt, rows, method):
+def test_quantized_linear_matches_dequantized(cuda_backend, cuda_moe, rng, fmt, rows, method):
     """Every method of a dense quantized linear; 300 output rows: a partial FP8 scale block and
     a partial 8-column GEMV block."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     weight, reference = _expert_weights(rng, fmt, 1, 300, 256)
     x = bf16_random(rng, rows, 256)
     out = cuda_backend.to_host(moe.quantized_linear(cuda_backend.upload(x), weight, cuda_backend.blas, method))
@@ -537,7 +524,7 @@ def test_quantized_linear_matches_dequantized(cuda_backend, rng, fmt, rows, meth
                                          "mma_staged2x3"])
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 16), ("int4", 128), ("fp8", 0), ("bf16", 0)])
 @pytest.mark.parametrize("rows", [1, 3, 9, 64])
-def test_decode_gemv_kernels_match_dequantized(cuda_backend, rng, fmt, group, rows, gemv_kernel):
+def test_decode_gemv_kernels_match_dequantized(cuda_backend, cuda_moe, rng, fmt, group, rows, gemv_kernel):
     """moe_gemv_wide and moe_gemv_mma in dense mode: 300 output columns (a partial block of columns,
     a partial 16-column warp and a partial FP8 scale block), K = 384 (an odd number of 32-weight
     chunks per lane group; the mma kernel's last 128-weight INT4 chunk), several row passes; INT4
@@ -547,7 +534,7 @@ def test_decode_gemv_kernels_match_dequantized(cuda_backend, rng, fmt, group, ro
     of 3, 3, 3 and none); the staged ones K = 1536 (INT4 group 32: three 512-weight stages through a
     ring of 2, six 256-weight ones through a ring of 3; other formats and groups run moe_gemv_mma),
     the same bits as moe_gemv_mma."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     in_features = 1536 if "staged" in gemv_kernel else 1152 if "depth" in gemv_kernel or "split" in gemv_kernel \
         else 384
     weight, reference = _expert_weights(rng, fmt, 1, 300, in_features, group=group or 32)
@@ -563,11 +550,11 @@ def test_decode_gemv_kernels_match_dequantized(cuda_backend, rng, fmt, group, ro
 
 
 @pytest.mark.parametrize("gemv_kernel", ["mma_staged", "mma_staged2x3"])
-def test_staged_gemv_on_expert_tiles_equals_mma(cuda_backend, rng, gemv_kernel, monkeypatch):
+def test_staged_gemv_on_expert_tiles_equals_mma(cuda_backend, cuda_moe, rng, gemv_kernel, monkeypatch):
     """moe_gemv_mma_staged over moe_sort's tiles (gathered token rows, an empty expert, a 70-row
     tile in five passes): the bits of moe_gemv_mma, and the dequantized product. It reads the
     checkpoint layout (uploads in it whatever $OPENINFER_INT4_LAYOUT says)."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     monkeypatch.setenv(moe.INT4_LAYOUT_ENV, "rows")
     num_experts, top_k, out_features, in_features, tokens = 8, 2, 96, 1024, 40
     weight, reference = _expert_weights(rng, "int4", num_experts, out_features, in_features)
@@ -585,11 +572,11 @@ def test_staged_gemv_on_expert_tiles_equals_mma(cuda_backend, rng, gemv_kernel, 
     assert relative_error(outs[gemv_kernel], expected) < BF16_TOL
 
 
-def test_gemv_kernel_choice(monkeypatch):
+def test_gemv_kernel_choice(cuda_moe, monkeypatch):
     """The decode GEMV is chosen in one place: DENSE_ / GROUPED_GEMV_CHOICE by rows per weight
     (every entry reachable, none past the last), unless a kernel is forced (argument, then
     $OPENINFER_MOE_GEMV), which then runs within its GEMV_ROW_LIMITS."""
-    moe = _moe_cuda()
+    moe = cuda_moe
     monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
     assert moe.forced_gemv_kernel() is None and set(moe.GEMV_ROW_LIMITS) == set(moe.GEMV_KERNELS)
     for tables, grouped in ((moe.DENSE_GEMV_CHOICE, False), (moe.GROUPED_GEMV_CHOICE, True)):

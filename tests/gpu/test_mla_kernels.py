@@ -770,3 +770,220 @@ def test_absorb_side_bit_equal_to_one_stream(cuda_backend, rng, monkeypatch, dec
     monkeypatch.setenv(cuda_mla.ABSORB_SIDE_ENV, "yes")
     with pytest.raises(ValueError, match="OPENINFER_MLA_ABSORB_SIDE"):
         cuda_mla.absorb_side()
+
+
+@pytest.mark.parametrize("tile", ["32x2/2/rows", "16x4/1"])
+@pytest.mark.parametrize("heads", [20, 64])
+@pytest.mark.parametrize("decodes", ["ragged", "sixteen", "many"])
+@pytest.mark.parametrize("balance", ["0", "1"])
+def test_tma_fused_combine_and_fast_search_bit_equal(cuda_backend, rng, monkeypatch, tile, heads, decodes, balance):
+    """$OPENINFER_MLA_TMA_FUSED_COMBINE=1 (the last split of a (token, head block) to finish combines the partials:
+    no combine launch) and $OPENINFER_MLA_TMA_FAST_SEARCH=1 (the token's sequence found in one round of loads), each
+    and both: the combine kernel's bits on NaN-poisoned caches, twice in a row (the counts are back at 0 after each
+    launch), within bf16 of NumPy per row; a bad value is a clear error."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
+    monkeypatch.delenv(cuda_mla.COMBINE_ENV, raising=False)
+    monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, balance)
+    _set_tma_tile(monkeypatch, tile)
+    spec = _spec(heads)
+    cached, new = MANY_DECODES if decodes == "many" else _decode_rows(decodes)
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    _poison_unused_slots(device_cache, batch)
+    outs = {}
+    for fused, fast in (("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")):
+        monkeypatch.setenv(mla_decode_sm90.FUSED_COMBINE_ENV, fused)
+        monkeypatch.setenv(mla_decode_sm90.FAST_SEARCH_ENV, fast)
+        for run in range(2):
+            outs[fused, fast, run] = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent,
+                                                                   norm, weights, rope, "tma"))
+    plain = outs["0", "0", 0]
+    for key, out in outs.items():
+        assert np.array_equal(out, plain), key
+    counts = mla_decode_sm90._split_counts.get(cupy.cuda.Device().id)
+    assert counts is None or not counts.any()  # every slot reset by its last split
+    assert relative_error(plain, reference) < BF16_TOL
+    for row in range(plain.shape[0]):
+        assert relative_error(plain[row], reference[row]) < BF16_TOL, row
+    for env, check in ((mla_decode_sm90.FUSED_COMBINE_ENV, mla_decode_sm90.fused_combine),
+                       (mla_decode_sm90.FAST_SEARCH_ENV, mla_decode_sm90.fast_search)):
+        monkeypatch.setenv(env, "yes")
+        with pytest.raises(ValueError, match=env):
+            check()
+        monkeypatch.setenv(env, "1")
+
+
+@pytest.mark.parametrize("fused,fast,view,write,pdl", [("1", "1", "0", "0", "0"), ("1", "0", "1", "0", "0"),
+                                                       ("1", "1", "1", "0", "0"), ("0", "0", "0", "1", "0"),
+                                                       ("1", "1", "1", "1", "0"), ("1", "1", "1", "1", "1")])
+def test_tma_fused_combine_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, fused, fast, view, write, pdl):
+    """The fused combine, the one-round search, q read in place and the folded latent write (and with PDL, its tiles
+    copied before the wait, W_UK by mla_absorb_small) captured in a CUDA graph and replayed (the counts are reset by
+    the replayed kernel itself): the eager step's bits."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.setenv(cuda_mla.PDL_ENV, pdl)
+    monkeypatch.setenv(mla_decode_sm90.EARLY_TILES_ENV, pdl)
+    monkeypatch.setenv(cuda_mla.ABSORB_SMALL_ENV, pdl)  # with PDL: W_UK by mla_absorb_small, its weights pre-wait
+    monkeypatch.setenv(mla_decode_sm90.FUSED_COMBINE_ENV, fused)
+    monkeypatch.setenv(mla_decode_sm90.FAST_SEARCH_ENV, fast)
+    monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, view)
+    monkeypatch.setenv(cuda_mla.FUSED_WRITE_ENV, write)
+    _graph_replay_equals_eager(cuda_backend, rng, "tma")
+    spec = _spec(16)
+    step = ragged_mla_step(rng, spec, *_decode_rows("sixteen"), BLOCK_SIZE)
+    device_cache = cuda_backend.upload(step[1]).reshape(step[1].shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    eager = _stream_forward(cuda_backend, spec, step, device_cache, "tma", graph=False)
+    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, "tma", graph=True), eager)
+    assert relative_error(eager, step[7]) < BF16_TOL
+
+
+@pytest.mark.parametrize("heads", [16, 20, 64])
+@pytest.mark.parametrize("step", ["decodes", "sixteen", "mixed", "one"])
+@pytest.mark.parametrize("kernel", ["tma", "mma_shared"])
+def test_q_view_equals_copy_then_write(cuda_backend, rng, monkeypatch, heads, step, kernel):
+    """$OPENINFER_MLA_Q_VIEW=1: q and the latent as row views of one fused [T, q | latent] buffer (as the kimi model
+    passes Moonlight's); the latent write stores the rotated q_pe into its own buffer and W_UK reads q through its
+    row stride: the same cached latent rows and (within W_UK's summation order) output as the copy + in-place rotation (decodes, 16 decodes, a
+    mixed step whose decompressed rows take the copy, one row), the fused buffer left as it was where q is read in
+    place, within bf16 of NumPy; a bad value is a clear error."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    if kernel == "tma" and not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    spec = _spec(heads)
+    cached, new = {"decodes": DECODES["ragged"], "sixteen": _decode_rows("sixteen"),
+                   "mixed": ([0, 100, 57, 3], [40, 1, 1, 30]), "one": ([700], [1])}[step]
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
+    fused = cuda_backend.upload(np.concatenate([q, latent], axis=1))
+    before = fused.copy()
+    width = q.shape[1]
+    args = (cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv), cuda_backend.weight(norm), spec,
+            cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos), cupy.asarray(rope.sin), 1e-6)
+    results = {}
+    for view in ("0", "1"):
+        monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, view)
+        assert cuda_mla.q_view_fits(fused[:, :width], spec) is (view == "1")
+        device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+        fused[...] = before
+        out = cuda_mla.mla_forward(cuda_backend.blas, fused[:, :width], fused[:, width:], device_cache, *args,
+                                   prefill_min_query=16, absorbed_kernel=kernel)
+        results[view] = (out.get(), device_cache.get())
+        if view == "1" and step != "mixed":
+            assert np.array_equal(fused.get(), before.get())  # q read where it lies, never rotated in place
+    assert np.array_equal(results["1"][1], results["0"][1])  # the same latent rows cached
+    out = cuda_backend.to_host(cupy.asarray(results["1"][0]))
+    # the same bits wherever cuBLAS runs the same W_UK kernel for q's row stride (a different one may sum the 128
+    # nope dims in another order: then bf16-close)
+    assert relative_error(out, cuda_backend.to_host(cupy.asarray(results["0"][0]))) < 4e-3
+    assert relative_error(out, reference) < BF16_TOL
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], reference[row]) < BF16_TOL, row
+    monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_Q_VIEW"):
+        cuda_mla.q_view_fits(fused[:, :width], spec)
+
+
+@pytest.mark.parametrize("heads", [16, 64])
+@pytest.mark.parametrize("step", ["decodes", "sixteen", "one", "tiles", "chunks", "mixed"])
+@pytest.mark.parametrize("kernel,combine,max_splits", [("tma", "0", ""), ("tma", "1", ""), ("tma", "0", "1"),
+                                                       ("tma", "cluster16", ""), ("mma_shared", "0", "")])
+def test_fused_write_equals_separate_write(cuda_backend, rng, monkeypatch, heads, step, kernel, combine, max_splits):
+    """$OPENINFER_MLA_FUSED_WRITE=1: in steps of one new token per sequence mla_attention_tma computes the latent rows
+    itself (head block 0 stores them), rotates q's rope dims as it loads them and splits the cached keys (the own row
+    added to the last split; alone in its tile where the cached keys fill whole tiles: "tiles", "one", "sixteen"'s
+    first), over caches whose own slots hold NaN bits before the step (the attention never reads them from the
+    cache): the cached rows' bits of the q-in-place path with its separate latent write ($OPENINFER_MLA_Q_VIEW=1; the
+    same strided W_UK), its output bits with one split (the same keys per split), within bf16 of it and of NumPy per
+    row with more, with and without the fused combine, in clusters of 16; other kernels take the q_pe write first;
+    steps of several tokens per sequence ("chunks") and mixed steps keep the separate write; a bad value is a clear
+    error."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if kernel == "tma" and not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    cluster = combine.removeprefix("cluster") if combine.startswith("cluster") else "0"  # splits combined on chip
+    monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, cluster)
+    monkeypatch.setenv(mla_decode_sm90.FUSED_COMBINE_ENV, "1" if combine == "1" else "0")
+    monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
+    monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, "0" if max_splits == "1" else "1")  # one split: truly one
+    spec = _spec(heads)
+    cached, new = {"decodes": DECODES["ragged"], "one": ([704], [1]), "tiles": ([64, 1024, 512, 96, 32], [1] * 5),
+                   "chunks": ([40, 100, 33, 64], [3, 5, 2, 1]),
+                   "mixed": ([0, 100, 57, 3], [40, 1, 1, 30])}.get(step) or _decode_rows(step)
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
+    fused = cuda_backend.upload(np.concatenate([q, latent], axis=1))
+    before = fused.copy()
+    width = q.shape[1]
+    prepared = cuda_backend.prepare_batch(batch)
+    args = (cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv), cuda_backend.weight(norm), spec,
+            prepared, cupy.asarray(rope.cos), cupy.asarray(rope.sin), 1e-6)
+    own_slots = cupy.asarray(batch.slot_mapping)
+    results = {}
+    for fused_write in ("0", "1"):
+        monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, "1")
+        monkeypatch.setenv(cuda_mla.FUSED_WRITE_ENV, fused_write)
+        assert cuda_mla.fused_write_fits(fused[:, :width], spec, prepared) is (fused_write == "1" and step != "chunks"
+                                                                                and step != "mixed")
+        device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+        _poison_unused_slots(device_cache, batch)
+        device_cache.reshape(-1, spec.latent_dim)[own_slots] = 0x7FC0  # the step's own rows: NaN until written
+        fused[...] = before
+        out = cuda_mla.mla_forward(cuda_backend.blas, fused[:, :width], fused[:, width:], device_cache, *args,
+                                   prefill_min_query=16, absorbed_kernel=kernel)
+        results[fused_write] = (out.get(), device_cache.get())
+        if step != "mixed":
+            assert np.array_equal(fused.get(), before.get())  # q read where it lies, never rotated in place
+    assert np.array_equal(results["1"][1], results["0"][1])  # the same latent rows cached
+    if max_splits == "1" or kernel != "tma" or step in ("chunks", "mixed"):
+        assert np.array_equal(results["1"][0], results["0"][0])
+    out = cuda_backend.to_host(cupy.asarray(results["1"][0]))
+    assert relative_error(out, cuda_backend.to_host(cupy.asarray(results["0"][0]))) < BF16_TOL
+    assert relative_error(out, reference) < BF16_TOL
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], reference[row]) < BF16_TOL, row
+    monkeypatch.setenv(cuda_mla.FUSED_WRITE_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_FUSED_WRITE"):
+        cuda_mla.fused_write_fits(fused[:, :width], spec, prepared)
+
+
+@pytest.mark.parametrize("heads", [16, 20, 64])
+@pytest.mark.parametrize("rows", [1, 9, 16, 17])
+@pytest.mark.parametrize("view", [False, True])
+def test_absorb_small_matches_cublas(cuda_backend, rng, monkeypatch, heads, rows, view):
+    """$OPENINFER_MLA_ABSORB_SMALL=1: W_UK by mla_absorb_small (at most 16 rows; q contiguous or a row view of a wider
+    buffer) within bf16 of cuBLAS's batched GEMM and of NumPy; 17 rows keep cuBLAS (the same bits); a bad value is a
+    clear error."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.mla import MLAWeights
+    from tests.gpu.conftest import bf16_random
+
+    spec = _spec(heads)
+    q = bf16_random(rng, rows, heads * spec.qk_head_dim)
+    kv_b = bf16_random(rng, heads * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank, scale=0.05)
+    weights = MLAWeights.from_kv_b(kv_b, spec)
+    wide = cuda_backend.upload(np.concatenate([q, bf16_random(rng, rows, 576)], axis=1))
+    q_dev = wide[:, :q.shape[1]] if view else cuda_backend.upload(q)
+    w_uk = cuda_backend.weight(weights.w_uk)
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(cuda_mla.ABSORB_SMALL_ENV, flag)
+        outs[flag] = cuda_backend.to_host(cuda_mla.absorb_queries(cuda_backend.blas, q_dev, w_uk, spec))
+    q32 = np.asarray(q, np.float32).reshape(rows, heads, spec.qk_head_dim)[..., :spec.qk_nope_dim]
+    reference = np.einsum("thn,hnl->thl", q32, np.asarray(weights.w_uk, np.float32))
+    assert relative_error(outs["1"], reference) < BF16_TOL
+    assert relative_error(outs["1"], outs["0"]) < BF16_TOL
+    if rows > cuda_mla.WRITE_ABSORB_MAX_TOKENS:
+        assert np.array_equal(outs["1"], outs["0"])
+    monkeypatch.setenv(cuda_mla.ABSORB_SMALL_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_ABSORB_SMALL"):
+        cuda_mla.absorb_small_fits(1, spec)

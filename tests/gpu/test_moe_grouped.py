@@ -1,7 +1,13 @@
-"""moe13's grouped-expert kernels against NumPy: moe_sm90.cu's tile shapes (SM90_SHAPES) and the
-prefill routing kernels of moe_routing.cu."""
+"""The grouped-expert kernels against NumPy: moe_sm90.cu's tile shapes (SM90_SHAPES) and its switches (PDL, stream-K,
+the tiled weight layout, the L2 look-ahead, unit rotation), the shared-experts fusion, the combine kernels (with and
+without the next layer's add_rms_norm), and the routing kernels of moe_routing.cu.
+
+Helpers: ``_replayed`` (a CUDA-graph replay on a stream of its own), ``_shared_fusion_case`` (a Moonlight-like layer
+with fused shared experts), ``_sm90_problem`` (ragged expert loads for the kernel alone)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -29,10 +35,42 @@ def _sm90_builds():
     with discover_kernels() as found:
         for name, tiles in moe_sm90.SM90_SHAPES.items():
             for fuse_silu in (False, True):
-                moe_sm90.sm90_kernel(tiles, fuse_silu)
-                if name in ("base", "n128_s6_sk"):
-                    moe_sm90.sm90_kernel(tiles, fuse_silu, pdl=True)
+                moe_sm90.sm90_kernel(tiles, fuse_silu, pdl=int(moe_sm90.DEFAULT_SM90_PDL))  # what a launch builds
+                if name in ("base", "n128_s6_sk"):  # test_sm90_pdl_equals_plain_launches: both
+                    moe_sm90.sm90_kernel(tiles, fuse_silu, pdl=1 - int(moe_sm90.DEFAULT_SM90_PDL))
     compile_kernels(found, cupy.cuda.Device().id, threads=16)
+
+
+def _host(outputs):
+    return tuple(o.get() for o in outputs) if isinstance(outputs, tuple) else outputs.get()
+
+
+def _replayed(run, warm: bool = True):
+    """``run()`` (returning a device array or a tuple of them) on a stream and memory pool of its own: once eagerly
+    (``warm``; compiles, fills the pool), then captured as a CUDA graph whose outputs are zeroed and replayed once.
+    Returns (the eager outputs or None, the replay's outputs) as host arrays."""
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:  # cuLaunchKernelEx (PDL) needs a stream of its own
+        eager = _host(run()) if warm else None
+        stream.synchronize()
+        mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+        stream.begin_capture() if mode is None else stream.begin_capture(mode)
+        try:
+            outputs = run()
+        finally:
+            graph = stream.end_capture()
+        for out in outputs if isinstance(outputs, tuple) else (outputs,):
+            out[...] = 0
+        graph.launch(stream)
+        stream.synchronize()
+        return eager, _host(outputs)
+
+
+def _equal(ours, plain) -> bool:
+    """Bit equality of host arrays or tuples of them."""
+    if isinstance(plain, tuple):
+        return all(np.array_equal(a, b) for a, b in zip(ours, plain, strict=True))
+    return np.array_equal(ours, plain)
 
 
 def _max_error(ours, reference) -> float:
@@ -41,63 +79,122 @@ def _max_error(ours, reference) -> float:
     return float(np.abs(ours - reference).max() / np.abs(reference).max())
 
 
-@pytest.mark.parametrize("shape", ["base", "skip", "m64_s5", "m64_n128_s8", "n128_s6", "sk", "n128_s6_sk",
-                                   "m64_n128_k2", "m64_n128_k3", "m64_n128_k4", "m64_n128_k2_x2",
-                                   "m64_n128_s4_x2"])
-def test_sm90_shapes_match_numpy(cuda_backend, cuda_moe, sm90_moe, rng, shape):
-    """Every SM90_SHAPES build on ragged experts (an empty expert, one over several 64- and 128-slot
-    tiles, tiles of 1-5 slots: a warpgroup all padding), K = 200 (a partial 64- and 128-wide k-stage:
-    a whole 64-wide sub-tile past K for k_sub 2), N = 304 / I = 152
-    (partial 128- and 256-row tiles, the next expert's rows in the box, never stored): gate_up
-    (gathered rows), the fused SiLU·mul equal to silu_mul of its own gate_up (stream-K: within bf16
-    rounding, the two launches sum their cut units' parts in other places), and down against NumPy
-    fp32 per expert; the same as the default shape within bf16 rounding; a graph replay equals the
-    eager run."""
-    moe, moe_sm90 = cuda_moe, sm90_moe
-    num_experts, top_k, hidden, inter, tokens = 8, 3, 200, 152, 300
+def _shared_fusion_case(cuda_backend, rng, num_experts, top_k, shared, hidden, inter, num_groups=1, topk_groups=1):
+    """A bf16 MoE layer with ``shared`` shared experts of ``inter`` rows each (one SwiGLU MLP of shared x
+    inter), its NumPy weights, and the fused layer (``fuse_shared_experts``)."""
+    from openinfer.backend.cuda import moe
+
+    gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
+    down, down_ref = _expert_weights(rng, "bf16", num_experts, hidden, inter)
+    spec = RouterSpec(num_experts, top_k, "sigmoid", num_groups=num_groups, topk_groups=topk_groups,
+                      routed_scaling_factor=2.446)
+    gate_host = bf16_random(rng, num_experts, hidden, scale=0.1)
+    bias = (0.3 * rng.standard_normal(num_experts)).astype(np.float32)
+    layer = moe.DeviceMoE(spec, cuda_backend.weight(gate_host), cupy.asarray(bias), gate_up, down)
+    shared_gate_up_ref = bf16_random(rng, 2 * shared * inter, hidden, scale=0.05)
+    shared_down_ref = bf16_random(rng, hidden, shared * inter, scale=0.05)
+    shared_gate_up = cuda_backend.linear_weight(shared_gate_up_ref)
+    shared_down = cuda_backend.linear_weight(shared_down_ref)
+    fused = moe.fuse_shared_experts(layer, shared_gate_up.weight, shared_down.weight)
+    host = (gate_host, bias, gate_up_ref, down_ref, shared_gate_up_ref, shared_down_ref)
+    return moe, layer, fused, (shared_gate_up, shared_down), host
+
+
+def _fused_grouping(moe, x, fused):
+    """The fused layer's routing of ``x`` (shared experts appended), grouped by expert."""
+    ids, weights = moe.route(x, fused.gate, fused.router, fused.correction_bias, shared_experts=fused.shared_experts)
+    return moe.group_by_expert(ids, weights, fused.gate_up.num_experts)
+
+
+def _moe_reference(x, spec, host):
+    """NumPy fp32: routed experts (core's reference ops) + the shared SwiGLU MLP."""
+    from openinfer.backend.numpy_backend import NumpyBackend
+    from openinfer.moe import ExpertWeights, group_by_expert, route, run_experts
+
+    ref = NumpyBackend()
+    gate_host, bias, gate_up_ref, down_ref, shared_gate_up_ref, shared_down_ref = host
+    weights, ids = route(x @ gate_host.T, spec, bias)
+    experts = [ExpertWeights(ref.linear_weight(gate_up_ref[e]), ref.linear_weight(down_ref[e]))
+               for e in range(spec.num_experts)]
+    routed = run_experts(ref, x, weights, group_by_expert(ids, spec.num_experts), experts)
+    hidden = x @ shared_gate_up_ref.T
+    half = hidden.shape[1] // 2
+    return routed + (hidden[:, :half] / (1 + np.exp(-hidden[:, :half])) * hidden[:, half:]) @ shared_down_ref.T
+
+
+# ---------------------------------------------------------------- moe_sm90.cu alone
+
+def _sm90_problem(cuda_backend, moe, rng, kind: str):
+    """Expert weights, tokens and a grouping for the kernel alone. "ragged": 8 experts, an empty one, one over several
+    64- and 128-slot tiles, tiles of 1-5 slots (a warpgroup all padding), K = 200 (a partial 64- and 128-wide k-stage:
+    a whole 64-wide sub-tile past K for k_sub 2), N = 304 / I = 152 (partial 128- and 256-row tiles, the next expert's
+    rows in the box, never stored). "many_units": Moonlight-like widths at 64 tokens over 24 experts, more units than
+    SMs (stream-K cuts units between CTAs)."""
+    if kind == "ragged":
+        num_experts, top_k, hidden, inter, tokens = 8, 3, 200, 152, 300
+        ids = np.stack([rng.choice([0, 2, 3, 5, 6], top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+        ids[:260, 0] = 1  # expert 1: 260 slots (five 64-slot tiles, three 128-slot tiles)
+        ids[:5, 2] = 7  # expert 7: 5 slots; expert 4: none
+    else:
+        num_experts, top_k, hidden, inter, tokens = 24, 6, 1024, 704, 64
+        ids = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
     gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
     down, down_ref = _expert_weights(rng, "bf16", num_experts, hidden, inter)
     x_host = bf16_random(rng, tokens, hidden)
-    x = cuda_backend.upload(x_host)
-    ids = np.stack([rng.choice([0, 2, 3, 5, 6], top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
-    ids[:260, 0] = 1  # expert 1: 260 slots (five 64-slot tiles, three 128-slot tiles)
-    ids[:5, 2] = 7  # expert 7: 5 slots; expert 4: none
     grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    return (gate_up, gate_up_ref), (down, down_ref), x_host, grouping
+
+
+SM90_CASES = [(shape, "ragged") for shape in ("base", "skip", "m64_s5", "m64_n128_s8", "n128_s6", "sk", "n128_s6_sk",
+                                              "m64_n128_k2", "m64_n128_k3", "m64_n128_k4", "m64_n128_k2_x2",
+                                              "m64_n128_s4_x2", "m64_n128_s4_x2_tw", "base_tw", "m64_n128_s4_x2_sk_tw",
+                                              "m64_n128_s4_x2_kr", "m64_n128_s4_x2_tw_kr", "m64_n128_s4_x2_tw64")]
+SM90_CASES += [(shape, "many_units") for shape in ("sk", "m64_s5_sk", "n128_s6_sk", "m64_n128_k2_sk",
+                                                   "m64_n128_s4_x2_sk", "m64_n128_s4_x2_sk_tw", "m64_n128_s4_x2_tw")]
+
+
+@pytest.mark.parametrize("shape,kind", SM90_CASES, ids=[f"{s}-{k}" for s, k in SM90_CASES])
+def test_sm90_shapes_match_numpy(cuda_backend, cuda_moe, sm90_moe, rng, shape, kind):
+    """Every SM90_SHAPES build (``_sm90_problem``): gate_up (gathered rows) and down against NumPy fp32 per expert;
+    the fused SiLU·mul equal to silu_mul of its own gate_up (stream-K: within bf16 rounding, the two launches cut
+    their units in other places; deterministic: twice the same bits, the flags left zeros); within bf16 rounding of
+    the base shape; a graph replay equals the eager run."""
+    moe, moe_sm90 = cuda_moe, sm90_moe
+    (gate_up, gate_up_ref), (down, down_ref), x_host, grouping = _sm90_problem(cuda_backend, moe, rng, kind)
+    x, top_k = cuda_backend.upload(x_host), grouping.top_k
     offsets, sorted_slots = grouping.offsets.get(), grouping.sorted_slots.get()
-    h = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, shape=shape)
+    tiles = moe_sm90.SM90_SHAPES[shape]
+    if kind == "many_units":
+        units = np.count_nonzero(np.diff(offsets)) * -(-(gate_up.out_features // 2) // (tiles.tile_n // 2))
+        assert units > cupy.cuda.Device().attributes["MultiProcessorCount"]  # stream-K cuts units
+
+    def gemm(a, weight, gather, fuse_silu=False, name=shape):
+        return moe_sm90.grouped_gemm_sm90(a, weight, grouping, gather=gather, fuse_silu=fuse_silu, shape=name)
+
+    h = gemm(x, gate_up, True)
     h_ref = _expert_rows_reference(x_host, gate_up_ref, sorted_slots, offsets, top_k, gather=True)
     assert _max_error(cuda_backend.to_host(h), h_ref) < 1e-2
-    fused = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, fuse_silu=True, shape=shape)
-    if moe_sm90.SM90_SHAPES[shape].stream_k:  # fused and plain launches cut the k-range at other places
+    fused = gemm(x, gate_up, True, fuse_silu=True)
+    if tiles.stream_k:
         assert _max_error(cuda_backend.to_host(fused), cuda_backend.to_host(cuda_backend.silu_mul(h))) < 1e-2
+        assert np.array_equal(fused.get(), gemm(x, gate_up, True, fuse_silu=True).get())
     else:
         assert np.array_equal(fused.get(), cuda_backend.silu_mul(h).get())
-    y = moe_sm90.grouped_gemm_sm90(fused, down, grouping, gather=False, shape=shape)
+    base = gemm(x, gate_up, True, fuse_silu=True, name="base")
+    assert _max_error(cuda_backend.to_host(fused), cuda_backend.to_host(base).astype(np.float64)) < 1e-2
+    y = gemm(fused, down, False)
     y_ref = _expert_rows_reference(cuda_backend.to_host(fused), down_ref, sorted_slots, offsets, top_k, gather=False)
     assert _max_error(cuda_backend.to_host(y), y_ref) < 1e-2
-    base = moe_sm90.grouped_gemm_sm90(fused, down, grouping, gather=False, shape="base")
-    assert _max_error(cuda_backend.to_host(y), cuda_backend.to_host(base).astype(np.float64)) < 1e-2
-
-    def experts():
-        return moe_sm90.grouped_gemm_sm90(moe_sm90.grouped_gemm_sm90(
-            x, gate_up, grouping, gather=True, fuse_silu=True, shape=shape), down, grouping, gather=False, shape=shape)
-
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        experts()
-        mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
-        stream.begin_capture() if mode is None else stream.begin_capture(mode)
-        graph_out = experts()
-        graph = stream.end_capture()
-        graph_out[...] = 0
-        graph.launch()
-        stream.synchronize()
-    assert np.array_equal(graph_out.get(), y.get())
+    assert _max_error(cuda_backend.to_host(y), cuda_backend.to_host(gemm(fused, down, False, name="base"))) < 1e-2
+    _, replay = _replayed(lambda: gemm(gemm(x, gate_up, True, fuse_silu=True), down, False))
+    assert np.array_equal(replay, y.get())
+    if tiles.stream_k:  # every flag awaited was set back to zero: the next launch (or replay) waits for its own parts
+        assert moe_sm90._workspaces and all(not flags.any() for flags, _ in moe_sm90._workspaces.values())
 
 
 def test_sm90_shape_switch(sm90_moe, monkeypatch):
     """OPENINFER_MOE_SM90_SHAPE forces a shape; unset, SM90_SHAPE_CHOICE decides (64-slot, 128-row tiles, two CTAs
-    per SM with 4-stage rings, up to 24 slots per expert; base above); a bad name is a clear error."""
+    per SM with 4-stage rings, up to 24 slots per expert; base above)."""
     moe_sm90 = sm90_moe
     monkeypatch.delenv(moe_sm90.SM90_SHAPE_ENV, raising=False)
     assert moe_sm90.sm90_shape(1.5) == moe_sm90.sm90_shape(24) == moe_sm90.SM90_SHAPES["m64_n128_s4_x2"]
@@ -105,23 +202,234 @@ def test_sm90_shape_switch(sm90_moe, monkeypatch):
     assert moe_sm90.sm90_shape(96) == moe_sm90.SM90_SHAPES["base"]
     monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, "m64_s5")
     assert moe_sm90.sm90_shape(6.0) == moe_sm90.SM90_SHAPES["m64_s5"]
-    monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, "m32")
-    with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_SHAPE"):
-        moe_sm90.sm90_shape(6.0)
 
+
+@pytest.mark.parametrize("shape", ["base", "n128_s6_sk"])
+def test_sm90_pdl_equals_plain_launches(cuda_backend, cuda_moe, sm90_moe, rng, monkeypatch, shape):
+    """OPENINFER_MOE_SM90_PDL=1: gate_up built to let down launch early, down launched to overlap it
+    (cuLaunchKernelEx, programmatic stream serialization): the same bits as plain launches, eagerly
+    and as a CUDA graph replay, over a step where gate_up has several waves (Moonlight-like widths,
+    few slots per expert) and one where most experts are empty."""
+    moe, moe_sm90 = cuda_moe, sm90_moe
+    num_experts, top_k, hidden, inter = 16, 6, 512, 704
+    gate_up, _ = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
+    down, _ = _expert_weights(rng, "bf16", num_experts, hidden, inter)
+    monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, shape)
+    for tokens, choices in ((64, num_experts), (40, 7)):
+        x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+        ids = np.stack([rng.choice(choices, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+        grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+        assert moe_sm90.sm90_experts(x, gate_up, ids.size, True)
+        monkeypatch.setenv(moe_sm90.SM90_PDL_ENV, "0")
+        plain = moe.routed_experts(cuda_backend, x, gate_up, down, grouping).get()
+        monkeypatch.setenv(moe_sm90.SM90_PDL_ENV, "1")
+        assert np.array_equal(moe.routed_experts(cuda_backend, x, gate_up, down, grouping).get(), plain)
+        eager, replay = _replayed(lambda x=x, grouping=grouping: moe.routed_experts(cuda_backend, x, gate_up, down,
+                                                                                    grouping))
+        assert np.array_equal(eager, plain) and np.array_equal(replay, plain)
+    monkeypatch.delenv(moe_sm90.SM90_PDL_ENV)
+    assert moe_sm90.sm90_pdl() == moe_sm90.DEFAULT_SM90_PDL
+
+
+# ---------------------------------------------------------------- switches that keep moe_forward's bits
+
+# name -> (switches of the plain run, switches added for the compared run; ROTATE: inside rotated_units(shared experts))
+ROTATE = "rotate"
+SAME_BITS_SWITCHES = {
+    # gate_up launched to overlap the grouping kernel (built to wait for it first: SM90_PDL=2), moe_combine to
+    # overlap the down projection (griddepcontrol.wait); the grouping by moe_sort_parallel: a kernel of its own
+    "gate_up_pdl": ({"OPENINFER_MOE_ROUTE_SORT": "0"}, {"OPENINFER_MOE_GATE_UP_PDL": "1"}),
+    "combine_pdl": ({"OPENINFER_MOE_ROUTE_SORT": "0"}, {"OPENINFER_MOE_COMBINE_PDL": "1"}),
+    "both_pdl": ({"OPENINFER_MOE_ROUTE_SORT": "0"},
+                 {"OPENINFER_MOE_GATE_UP_PDL": "1", "OPENINFER_MOE_COMBINE_PDL": "1"}),
+    # the last S experts' units first (SM90_ROTATE, for the L2 prefetch of fused shared experts), stream-K too
+    "rotated_k2": ({"OPENINFER_MOE_SM90_SHAPE": "m64_n128_k2"}, {ROTATE: "1"}),
+    "rotated_k2_sk": ({"OPENINFER_MOE_SM90_SHAPE": "m64_n128_k2_sk"}, {ROTATE: "1"}),
+    # the producer's L2 look-ahead over its k-tiles (across its units), weight boxes before the gathered A rows
+    "l2_ahead4": ({}, {ROTATE: "1", "OPENINFER_MOE_SM90_L2_AHEAD": "4"}),
+    "l2_ahead8": ({}, {ROTATE: "1", "OPENINFER_MOE_SM90_L2_AHEAD": "8"}),
+    "b_first": ({}, {ROTATE: "1", "OPENINFER_MOE_SM90_B_FIRST": "1"}),
+    "l2_ahead6_b_first": ({}, {ROTATE: "1", "OPENINFER_MOE_SM90_L2_AHEAD": "6", "OPENINFER_MOE_SM90_B_FIRST": "1"}),
+    # decode-sized launches on the weight repacked by tiled_weight (SM90_TILED_B), rotated too
+    "tiled": ({}, {"OPENINFER_MOE_SM90_TILED": "1"}),
+    "tiled_rotated": ({}, {ROTATE: "1", "OPENINFER_MOE_SM90_TILED": "1"}),
+}
+
+
+@pytest.mark.parametrize("tokens", [16, 64, 300])
+@pytest.mark.parametrize("name", list(SAME_BITS_SWITCHES))
+def test_switches_keep_moe_forward_bits(cuda_backend, sm90_moe, rng, monkeypatch, name, tokens):
+    """Each SAME_BITS_SWITCHES set: moe_forward of a Moonlight-like layer (64 experts, top-6, 2 shared experts fused:
+    ragged loads, the shared experts every token's) on the Hopper kernel (16 / 64 tokens the decode shape, 300 the
+    base shape) gives the plain run's bits eagerly, as a CUDA graph captured before any eager run under the switches
+    (the tiled layout: its copies not made yet, the rows read; nothing repacked inside the graph) and as one captured
+    after (the copies then exist wherever ``tiled_wanted``)."""
+    moe_sm90 = sm90_moe
+    hidden, inter = 512, 192  # 192: a partial 128-row down tile, three 64-row gate / up tiles
+    moe, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    plain_env, switches = SAME_BITS_SWITCHES[name]
+    for key, value in plain_env.items():
+        monkeypatch.setenv(key, value)
+    assert moe.sm90_routed(x, fused.gate_up, _fused_grouping(moe, x, fused))
+    plain = moe.moe_forward(cuda_backend, x, fused).get()
+    for key, value in switches.items():
+        if key != ROTATE:
+            monkeypatch.setenv(key, value)
+
+    def run():
+        with moe_sm90.rotated_units(fused.shared_experts if ROTATE in switches else 0):
+            return moe.moe_forward(cuda_backend, x, fused)
+
+    assert np.array_equal(run().get(), plain)  # eager: compiles the switched builds
+    moe_sm90._tiled_copies.clear()
+    _, replay = _replayed(run, warm=False)
+    assert np.array_equal(replay, plain) and not moe_sm90._tiled_copies
+    eager, replay = _replayed(run)
+    assert np.array_equal(eager, plain) and np.array_equal(replay, plain)
+    per_expert = tokens * 8 / fused.gate_up.num_experts
+    assert bool(moe_sm90._tiled_copies) is ("OPENINFER_MOE_SM90_TILED" in switches and moe_sm90.tiled_wanted(per_expert))
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_sm90_above_switch_at_one_token(cuda_backend, sm90_moe, rng, monkeypatch, tokens):
+    """OPENINFER_MOE_SM90_ABOVE=0 (the Hopper kernel below its default bound: one token's 8 slots over 66 experts),
+    with the tiled weights: moe_forward within bf16 rounding of the decode GEMV's and of NumPy fp32."""
+    hidden, inter = 512, 192
+    moe, layer, fused, _, host = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    x_host = bf16_random(rng, tokens, hidden)
+    x = cuda_backend.upload(x_host)
+    grouping = _fused_grouping(moe, x, fused)
+    monkeypatch.delenv(sm90_moe.SM90_ABOVE_ENV, raising=False)
+    assert not moe.sm90_routed(x, fused.gate_up, grouping)
+    gemv = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, fused))
+    monkeypatch.setenv(sm90_moe.SM90_ABOVE_ENV, "0")
+    monkeypatch.setenv(sm90_moe.TILED_ENV, "1")
+    assert moe.sm90_routed(x, fused.gate_up, grouping)
+    hopper = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, fused))
+    assert relative_error(hopper, gemv) < 2e-2
+    assert relative_error(hopper, _moe_reference(x_host, layer.router, host)) < 2e-2
+
+
+def test_sm90_tiled_at_load(cuda_backend, sm90_moe, rng, monkeypatch):
+    """OPENINFER_MOE_SM90_TILED=load: fuse_shared_experts holds the stacks in moe_sm90's tiled layouts only (gate_up's
+    gate / up blocks, down's plain ones; the bytes of tiled_weight), every step runs moe_grouped_gemm_sm90 on them: the
+    row layout's bits at 16 / 64 tokens (the decode shape) and 300 (the base shape, 64-row boxes), within bf16 rounding
+    of the decode GEMV at 1 and 3 tokens; a CUDA graph replay equals the eager run; a refused read is a clear error."""
+    from openinfer.backend.cuda.sm90_tiles import tiled_weight
+
+    moe_sm90 = sm90_moe
+    hidden, inter = 512, 192
+    monkeypatch.setenv(moe_sm90.TILED_ENV, "0")
+    moe, layer, rows, (shared_gate_up, shared_down), _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    monkeypatch.setenv(moe_sm90.TILED_ENV, "load")
+    held = moe.fuse_shared_experts(layer, shared_gate_up.weight, shared_down.weight)
+    assert (held.gate_up.layout, held.down.layout) == moe_sm90.TILED_LAYOUTS
+    assert held.gate_up.num_experts == rows.gate_up.num_experts and held.down.out_features == hidden
+    assert np.array_equal(held.gate_up.data.get().reshape(-1, 64), tiled_weight(rows.gate_up.data.get(), 128, True))
+    assert np.array_equal(held.down.data.get().reshape(-1, 64), tiled_weight(rows.down.data.get(), 128, False))
+    for tokens in (1, 3, 16, 64, 300):
+        x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+        monkeypatch.setenv(moe_sm90.TILED_ENV, "0")
+        plain = moe.moe_forward(cuda_backend, x, rows)
+        monkeypatch.setenv(moe_sm90.TILED_ENV, "load")
+        assert moe.sm90_routed(x, held.gate_up, _fused_grouping(moe, x, held))
+        eager, replay = _replayed(lambda x=x: moe.moe_forward(cuda_backend, x, held))
+        assert np.array_equal(replay, eager)
+        if tokens * 8 / held.gate_up.num_experts > moe_sm90.SM90_ABOVE_ROWS_PER_EXPERT:
+            assert np.array_equal(eager, plain.get())
+        else:
+            assert relative_error(cuda_backend.to_host(moe.moe_forward(cuda_backend, x, held)),
+                                  cuda_backend.to_host(plain)) < 2e-2
+    grouping = _fused_grouping(moe, x, held)
+    with pytest.raises(ValueError, match="tiled"):
+        moe.grouped_gemm(x, held.gate_up, grouping, gather=True, sm90=False)
+    with pytest.raises(ValueError, match="SiLU"):
+        moe_sm90.grouped_gemm_sm90(x, held.gate_up, grouping, True, fuse_silu=False)
+    assert not moe.shared_fusion_fits(dataclasses.replace(held, shared_experts=0), shared_gate_up.weight,
+                                      shared_down.weight)
+
+
+# switches that change moe_forward's fp32 sum order (not its bits): name -> env
+ROUNDING_SWITCHES = {
+    # decode-sized down projections on stream-K, PDL-launched beside gate_up (its own workspace: no pool block gate_up
+    # still writes), shapes forced to stream-K for gate_up too, on the rows and the tiled copies
+    "down_sk": {"OPENINFER_MOE_SM90_DOWN_SK": "1"},
+    "down_sk_tiled": {"OPENINFER_MOE_SM90_DOWN_SK": "1", "OPENINFER_MOE_SM90_TILED": "1"},
+    "shape_sk": {"OPENINFER_MOE_SM90_SHAPE": "m64_n128_s4_x2_sk"},
+    # each unit's k-tiles from k-tile unit % k_tiles on
+    "k_rotate": {"OPENINFER_MOE_SM90_K_ROTATE": "1"},
+    "k_rotate_tiled": {"OPENINFER_MOE_SM90_K_ROTATE": "1", "OPENINFER_MOE_SM90_TILED": "1"},
+}
+
+
+@pytest.mark.parametrize("tokens", [16, 64])
+@pytest.mark.parametrize("name", list(ROUNDING_SWITCHES))
+def test_switches_within_rounding(cuda_backend, sm90_moe, rng, monkeypatch, name, tokens):
+    """Each ROUNDING_SWITCHES set: moe_forward of a Moonlight-like layer (Moonlight's gate_up / down widths over 64
+    experts, 2 shared experts fused: several waves of units, gate_up PDL-overlapped by down) within fp32-sum rounding
+    of the default run and of NumPy; deterministic (the eager run's bits replayed from a CUDA graph)."""
+    hidden, inter = 512, 704  # 704: eleven 64-row gate / up tiles, several waves of down units
+    moe, layer, fused, _, host = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    x_host = bf16_random(rng, tokens, hidden)
+    x = cuda_backend.upload(x_host)
+    plain = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, fused))
+    for key, value in ROUNDING_SWITCHES[name].items():
+        monkeypatch.setenv(key, value)
+    eager, replay = _replayed(lambda: moe.moe_forward(cuda_backend, x, fused))
+    assert np.array_equal(replay, eager)
+    switched = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, fused))
+    assert relative_error(switched, plain) < 1e-2
+    assert relative_error(switched, _moe_reference(x_host, layer.router, host)) < 2e-2
+
+
+# (module, env, a bad value, the function that reads it) -> ValueError naming the env
+BAD_SWITCH_VALUES = [
+    ("moe_sm90", "SM90_SHAPE_ENV", "m32", lambda m: m.sm90_shape(6.0)),
+    ("moe_sm90", "SM90_PDL_ENV", "sometimes", lambda m: m.sm90_pdl()),
+    ("moe_sm90", "GATE_UP_PDL_ENV", "sometimes", lambda m: m.gate_up_pdl()),
+    ("moe_sm90", "L2_AHEAD_ENV", "lots", lambda m: m.l2_ahead()),
+    ("moe_sm90", "B_FIRST_ENV", "2", lambda m: m.b_first()),
+    ("moe_sm90", "TILED_ENV", "sometimes", lambda m: m.tiled_wanted(1.0)),
+    ("moe_sm90", "SM90_ABOVE_ENV", "-1", lambda m: m.sm90_above_rows_per_expert()),
+    ("moe_sm90", "DOWN_SK_ENV", "sometimes", lambda m: m.down_stream_k(1.0)),
+    ("moe_sm90", "K_ROTATE_ENV", "sometimes", lambda m: m.k_rotate_wanted()),
+    ("moe", "COMBINE_PDL_ENV", "sometimes", lambda m: m.combine_pdl_wanted()),
+    ("moe", "COMBINE_VEC_ENV", "sometimes", lambda m: m.combine_vec_wanted(16)),
+    ("moe", "COMBINE_NORM_ENV", "sometimes", lambda m: m.combine_norm_wanted(16)),
+    ("moe", "SHARED_FUSED_ENV", "yes please", lambda m: m.shared_fusion_wanted()),
+    ("moe", "ROUTE_SORT_ENV", "sometimes", lambda m: m.route_sort_wanted(16, RouterSpec(64, 6, "sigmoid"))),
+    ("moe", "ROUTE_WARPS_ENV", "maybe", lambda m: m.route_warps_wanted(RouterSpec(64, 6, "sigmoid"))),
+    ("moe", "L2_PREFETCH_ENV", "sometimes", lambda m: m.l2_prefetch_mode()),
+    ("moe", "L2_PREFETCH_MB_ENV", "lots", lambda m: m.l2_prefetch_bytes()),
+]
+
+
+@pytest.mark.parametrize("module,env,value,read", BAD_SWITCH_VALUES, ids=[row[1] for row in BAD_SWITCH_VALUES])
+def test_bad_switch_values_are_clear_errors(cuda_backend, monkeypatch, module, env, value, read):
+    """A switch set to something it does not take is a ValueError that names it (never a silent default)."""
+    from openinfer.backend.cuda import moe, moe_sm90
+
+    owner = {"moe": moe, "moe_sm90": moe_sm90}[module]
+    monkeypatch.setenv(getattr(owner, env), value)
+    with pytest.raises(ValueError, match=getattr(owner, env)):
+        read(owner)
+
+
+# ---------------------------------------------------------------- routing (moe_routing.cu)
 
 @pytest.mark.parametrize("spec,tokens", [
     (("sigmoid", 64, 6, 2.446, True), 77), (("sigmoid", 64, 6, 2.446, True), 1500),
     (("sigmoid", 384, 8, 2.827, True), 300), (("softmax", 60, 4, 1.0, False), 129),
     (("sqrtsoftplus", 48, 6, 1.5, True), 64), (("sigmoid", 512, 16, 1.0, True), 33),
 ], ids=["moonlight-77", "moonlight-1500", "kimi-300", "softmax-60", "sqrtsoftplus-48", "512x16"])
-def test_route_warps_equal_moe_route(cuda_backend, rng, monkeypatch, spec, tokens):
+def test_route_warps_equal_moe_route(cuda_backend, cuda_moe, rng, monkeypatch, spec, tokens):
     """moe_route_warps (OPENINFER_MOE_ROUTE_WARPS=1, a warp per token) against moe_route on the same
     logits: the same ids in the same order, the same weights (softmax: within fp32 rounding, its sum
     taken in another order), and NumPy's experts; expert counts off 32, up to 16 per lane, k up to 16."""
-    from openinfer.backend.cuda import moe
-    from openinfer.moe import RouterSpec, route
+    from openinfer.moe import route
 
+    moe = cuda_moe
     scoring, experts, top_k, scaling, norm = spec
     router = RouterSpec(experts, top_k, scoring, norm_topk_prob=norm, routed_scaling_factor=scaling)
     hidden = 256
@@ -146,11 +454,10 @@ def test_route_warps_equal_moe_route(cuda_backend, rng, monkeypatch, spec, token
 
 @pytest.mark.parametrize("tokens,experts,top_k,shared", [(1, 64, 6, 2), (16, 64, 6, 2), (64, 64, 6, 2),
                                                          (300, 384, 8, 1)])
-def test_route_with_shared_experts(cuda_backend, rng, monkeypatch, tokens, experts, top_k, shared):
+def test_route_with_shared_experts(cuda_backend, cuda_moe, rng, monkeypatch, tokens, experts, top_k, shared):
     """ROUTE_SHARED_EXPERTS (shared-experts fusion) in moe_route and moe_route_warps: rows of k + S, the
     routed part the bits of a plain route, then experts E .. E+S-1 with weight 1; the two kernels agree."""
-    from openinfer.backend.cuda import moe
-
+    moe = cuda_moe
     router = RouterSpec(experts, top_k, "sigmoid", routed_scaling_factor=2.446)
     x = cuda_backend.upload(bf16_random(rng, tokens, 256))
     gate = cuda_backend.weight(bf16_random(rng, experts, 256, scale=0.1))
@@ -170,28 +477,22 @@ def test_route_with_shared_experts(cuda_backend, rng, monkeypatch, tokens, exper
     assert np.array_equal(results["0"][0], results["1"][0]) and np.array_equal(results["0"][1], results["1"][1])
 
 
-def test_route_warps_not_for_expert_groups(monkeypatch):
-    from openinfer.backend.cuda import moe
-    from openinfer.moe import RouterSpec
-
+def test_route_warps_not_for_expert_groups(cuda_moe, monkeypatch):
+    moe = cuda_moe
     monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "1")
     assert not moe.route_warps_wanted(RouterSpec(256, 8, "sigmoid", num_groups=8, topk_groups=4))
     assert moe.route_warps_wanted(RouterSpec(256, 8, "sigmoid", num_groups=8, topk_groups=8))
-    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "maybe")
-    with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_WARPS"):
-        moe.route_warps_wanted(RouterSpec(64, 6, "sigmoid"))
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 64, 6), (700, 64, 6), (8192, 64, 6), (9000, 384, 8),
                                                   (3001, 7, 3), (5000, 512, 16)])
-def test_group_chunks_equal_blocks(cuda_backend, rng, monkeypatch, tokens, experts, top_k):
+def test_group_chunks_equal_blocks(cuda_moe, rng, monkeypatch, tokens, experts, top_k):
     """moe_chunk_counts / moe_chunk_scan / moe_chunk_place ("chunks") against the per-expert blocks: the
     same offsets, tile list, sorted slots (both stable: an expert's slots in slot order) and slot
     positions; an expert with no slot, one with every token (many 64-row tiles), chunks of 1024 slots
     and, where chunks x experts would overflow the scan's shared memory, longer ones (72000 slots x 384
     experts: 31 chunks of 2323); the switch takes them from GROUP_BLOCKS_MIN_SLOTS slots."""
-    from openinfer.backend.cuda import moe
-
+    moe = cuda_moe
     ids = np.stack([rng.choice(np.arange(1, experts), top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
     if tokens >= 700:
         ids[:, 0] = experts - 1
@@ -211,92 +512,93 @@ def test_group_chunks_equal_blocks(cuda_backend, rng, monkeypatch, tokens, exper
         moe.group_by_expert(cupy.asarray(ids), weights, experts, method="sorted")
 
 
-@pytest.mark.parametrize("shape", ["sk", "m64_s5_sk", "n128_s6_sk", "m64_n128_k2_sk"])
-def test_sm90_stream_k_matches_numpy(cuda_backend, cuda_moe, sm90_moe, rng, shape):
-    """Stream-K shapes where the launch has more units than SMs (units cut between CTAs, their later
-    parts summed through the fp32 workspace by the owner): gate_up (fused SiLU·mul) and down against
-    NumPy fp32 per expert and within bf16 rounding of the whole-unit kernel; deterministic (twice the
-    same bits); the flags left zeros."""
-    moe, moe_sm90 = cuda_moe, sm90_moe
-    num_experts, top_k, hidden, inter, tokens = 24, 6, 1024, 704, 64
-    gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
-    down, down_ref = _expert_weights(rng, "bf16", num_experts, hidden, inter)
-    x_host = bf16_random(rng, tokens, hidden)
-    x = cuda_backend.upload(x_host)
-    ids = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
-    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
-    offsets, sorted_slots = grouping.offsets.get(), grouping.sorted_slots.get()
-    tiles = moe_sm90.SM90_SHAPES[shape]
-    units = np.count_nonzero(np.diff(offsets)) * -(-inter // (tiles.tile_n // 2))
-    assert units > cupy.cuda.Device().attributes["MultiProcessorCount"]  # cut units
-    h = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, shape=shape)
-    h_ref = _expert_rows_reference(x_host, gate_up_ref, sorted_slots, offsets, top_k, gather=True)
-    assert _max_error(cuda_backend.to_host(h), h_ref) < 1e-2
-    fused = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, fuse_silu=True, shape=shape)
-    assert np.array_equal(fused.get(), moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, fuse_silu=True,
-                                                                  shape=shape).get())
-    base = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, fuse_silu=True, shape="base")
-    assert _max_error(cuda_backend.to_host(fused), cuda_backend.to_host(base).astype(np.float64)) < 1e-2
-    y = moe_sm90.grouped_gemm_sm90(fused, down, grouping, gather=False, shape=shape)
-    y_ref = _expert_rows_reference(cuda_backend.to_host(fused), down_ref, sorted_slots, offsets, top_k, gather=False)
-    assert _max_error(cuda_backend.to_host(y), y_ref) < 1e-2
-    # every flag awaited was set back to zero: the next launch (or graph replay) waits for its own parts
-    assert moe_sm90._flag_buffers and all(not flags.any() for flags in moe_sm90._flag_buffers.values())
+@pytest.mark.parametrize("tokens,experts,top_k,shared,scoring", [
+    (1, 64, 6, 0, "sigmoid"), (16, 64, 6, 2, "sigmoid"), (64, 64, 6, 2, "sigmoid"), (37, 60, 4, 0, "softmax"),
+    (64, 384, 8, 1, "sigmoid"), (3, 512, 16, 0, "sqrtsoftplus")])
+def test_route_sort_equals_route_then_sort(cuda_backend, cuda_moe, rng, monkeypatch, tokens, experts, top_k, shared,
+                                           scoring):
+    """moe_route_sort (OPENINFER_MOE_ROUTE_SORT=1, one block): moe_route_warps' ids and weights (the fused
+    shared experts' columns too), moe_sort_parallel's offsets, tile list and tile count, every expert's
+    segment holding exactly its slots, slot_pos its inverse; moe_forward gives the bits of the unswitched
+    path, eagerly and replayed from a CUDA graph."""
+    moe = cuda_moe
+    hidden, inter = 256, 64
+    router = RouterSpec(experts, top_k, scoring, norm_topk_prob=scoring != "softmax", routed_scaling_factor=2.446)
+    gate_up, _ = _expert_weights(rng, "bf16", experts + shared, 2 * inter, hidden)
+    down, _ = _expert_weights(rng, "bf16", experts + shared, hidden, inter)
+    bias = None if scoring == "softmax" else cupy.asarray((0.3 * rng.standard_normal(experts)).astype(np.float32))
+    layer = moe.DeviceMoE(router, cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1)), bias,
+                          gate_up, down, shared_experts=shared)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
+    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "1")
+    assert moe.route_sort_wanted(tokens, router, None, shared)
+    grouping = moe.route_and_group(x, layer)
+    ids, weights = moe.route(x, layer.gate, router, bias, shared_experts=shared)
+    assert np.array_equal(grouping.ids.get(), ids.get())
+    if scoring == "softmax":
+        assert np.allclose(grouping.weights.get(), weights.get(), rtol=1e-6, atol=1e-7)
+    else:
+        assert np.array_equal(grouping.weights.get(), weights.get())
+    reference = moe.group_by_expert(ids, weights, experts + shared, method="single")
+    offsets = reference.offsets.get()
+    assert np.array_equal(grouping.offsets.get(), offsets)
+    tiles = int(reference.num_tiles.get()[0])
+    assert grouping.max_tiles == reference.max_tiles and int(grouping.num_tiles.get()[0]) == tiles
+    assert np.array_equal(grouping.tile_expert.get()[:tiles], reference.tile_expert.get()[:tiles])
+    assert np.array_equal(grouping.tile_row.get()[:tiles], reference.tile_row.get()[:tiles])
+    sorted_slots, slot_pos, flat_ids = grouping.sorted_slots.get(), grouping.slot_pos.get(), ids.get().reshape(-1)
+    assert np.array_equal(sorted_slots[slot_pos], np.arange(flat_ids.size))
+    for e in range(experts + shared):
+        segment = sorted_slots[offsets[e]:offsets[e + 1]]
+        assert np.array_equal(np.sort(segment), np.flatnonzero(flat_ids == e))
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "0")
+    plain = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer))
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
+    eager, replay = _replayed(lambda: moe.moe_forward(cuda_backend, x, layer))
+    assert np.array_equal(eager, plain) and np.array_equal(replay, plain)
 
 
-@pytest.mark.parametrize("shape", ["base", "n128_s6_sk"])
-def test_sm90_pdl_equals_plain_launches(cuda_backend, cuda_moe, sm90_moe, rng, monkeypatch, shape):
-    """OPENINFER_MOE_SM90_PDL=1: gate_up built to let down launch early, down launched to overlap it
-    (cuLaunchKernelEx, programmatic stream serialization): the same bits as plain launches, eagerly
-    and as a CUDA graph replay, over a step where gate_up has several waves (Moonlight-like widths,
-    few slots per expert) and one where most experts are empty; a bad value is a clear error."""
-    moe, moe_sm90 = cuda_moe, sm90_moe
-    num_experts, top_k, hidden, inter = 16, 6, 512, 704
-    gate_up, _ = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
-    down, _ = _expert_weights(rng, "bf16", num_experts, hidden, inter)
-    monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, shape)
-    for tokens, choices in ((64, num_experts), (40, 7)):
-        x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
-        ids = np.stack([rng.choice(choices, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
-        grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
-        assert moe_sm90.sm90_experts(x, gate_up, ids.size, True)
-        monkeypatch.setenv(moe_sm90.SM90_PDL_ENV, "0")
-        plain = moe.routed_experts(cuda_backend, x, gate_up, down, grouping).get()
-        monkeypatch.setenv(moe_sm90.SM90_PDL_ENV, "1")
-        assert np.array_equal(moe.routed_experts(cuda_backend, x, gate_up, down, grouping).get(), plain)
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:  # a stream of its own: cuLaunchKernelEx with the attribute (eager, then captured)
-            assert np.array_equal(moe.routed_experts(cuda_backend, x, gate_up, down, grouping).get(), plain)
-            mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
-            stream.begin_capture() if mode is None else stream.begin_capture(mode)
-            graph_out = moe.routed_experts(cuda_backend, x, gate_up, down, grouping)
-            graph = stream.end_capture()
-            graph_out[...] = 0
-            graph.launch()
-            stream.synchronize()
-        assert np.array_equal(graph_out.get(), plain)
-    monkeypatch.setenv(moe_sm90.SM90_PDL_ENV, "sometimes")
-    with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_PDL"):
-        moe_sm90.sm90_pdl()
-    monkeypatch.delenv(moe_sm90.SM90_PDL_ENV)
-    assert moe_sm90.sm90_pdl() == moe_sm90.DEFAULT_SM90_PDL
+def test_route_sort_switch_bounds(cuda_moe, monkeypatch):
+    """moe_route_sort only where switched on and its shared arrays hold the step."""
+    moe = cuda_moe
+    spec = RouterSpec(64, 6, "sigmoid")
+    monkeypatch.delenv(moe.ROUTE_SORT_ENV, raising=False)
+    assert moe.route_sort_wanted(moe.ROUTE_SORT_DEFAULT_MAX_TOKENS, spec)
+    assert not moe.route_sort_wanted(moe.ROUTE_SORT_DEFAULT_MAX_TOKENS + 1, spec)
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "0")
+    assert not moe.route_sort_wanted(1, spec) and not moe.route_sort_wanted(16, spec)
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
+    assert moe.route_sort_wanted(1, spec) and moe.route_sort_wanted(moe.ROUTE_SORT_MAX_TOKENS, spec, None, 2)
+    assert not moe.route_sort_wanted(0, spec) and not moe.route_sort_wanted(moe.ROUTE_SORT_MAX_TOKENS + 1, spec)
+    assert not moe.route_sort_wanted(16, RouterSpec(64, 6, "sigmoid", num_groups=8, topk_groups=3))
+    assert not moe.route_sort_wanted(16, spec, object())  # hash routing (a tid2eid table)
+    assert not moe.route_sort_wanted(16, RouterSpec(512, 8, "sigmoid"), None, 1)
+
+
+# ---------------------------------------------------------------- combine, shared experts, the layer
+
+def _combine_case(cuda_backend, moe, rng, tokens, hidden, top_k, with_shared, experts=32):
+    """A grouping of ``tokens`` x ``top_k`` random routes with random weights, the experts' rows y (host, device) and
+    a shared row per token (or None)."""
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), experts)
+    y_host = bf16_random(rng, tokens * top_k, hidden)
+    shared_host = bf16_random(rng, tokens, hidden) if with_shared else None
+    shared = None if shared_host is None else cuda_backend.upload(shared_host)
+    return grouping, weights, (y_host, cuda_backend.upload(y_host)), (shared_host, shared)
 
 
 @pytest.mark.parametrize("tokens,hidden,top_k,with_shared", [(1, 2048, 6, True), (77, 2048, 6, False),
                                                               (300, 7168, 8, True), (33, 264, 16, True),
                                                               (5, 260, 6, True)])
-def test_combine_vec_equals_combine(cuda_backend, rng, monkeypatch, tokens, hidden, top_k, with_shared):
+def test_combine_vec_equals_combine(cuda_backend, cuda_moe, rng, monkeypatch, tokens, hidden, top_k, with_shared):
     """moe_combine_vec8 (OPENINFER_MOE_COMBINE_VEC=1) against moe_combine: the same bits, with and
     without the shared experts' rows, k up to 16, a width not whole 256-thread passes (7168 = 3.5 x
     2048); hidden 260 (not whole 16-byte pieces) falls back to moe_combine."""
-    from openinfer.backend.cuda import moe
-
-    experts = 32
-    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
-    weights = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
-    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), experts)
-    y = cuda_backend.upload(bf16_random(rng, tokens * top_k, hidden))
-    shared = cuda_backend.upload(bf16_random(rng, tokens, hidden)) if with_shared else None
+    moe = cuda_moe
+    grouping, _, (_, y), (_, shared) = _combine_case(cuda_backend, moe, rng, tokens, hidden, top_k, with_shared)
     plain = moe.combine(y, grouping, shared, hidden, vectorized=False)
     assert moe.combine_vec_ready(y, shared, hidden, top_k) is (hidden % 8 == 0)
     monkeypatch.setenv(moe.COMBINE_VEC_ENV, "1")
@@ -304,46 +606,62 @@ def test_combine_vec_equals_combine(cuda_backend, rng, monkeypatch, tokens, hidd
     monkeypatch.delenv(moe.COMBINE_VEC_ENV)
     assert moe.combine_vec_wanted(tokens) is (tokens >= moe.COMBINE_VEC_MIN_TOKENS)
     assert np.array_equal(moe.combine(y, grouping, shared, hidden).get(), plain.get())
-    monkeypatch.setenv(moe.COMBINE_VEC_ENV, "sometimes")
-    with pytest.raises(ValueError, match="OPENINFER_MOE_COMBINE_VEC"):
-        moe.combine_vec_wanted(16)
 
 
-def _shared_fusion_case(cuda_backend, rng, num_experts, top_k, shared, hidden, inter, num_groups=1, topk_groups=1):
-    """A bf16 MoE layer with ``shared`` shared experts of ``inter`` rows each (one SwiGLU MLP of shared x
-    inter), its NumPy weights, and the fused layer (``fuse_shared_experts``)."""
-    from openinfer.backend.cuda import moe
+@pytest.mark.parametrize("tokens,hidden,top_k,with_shared", [(1, 2048, 8, False), (16, 2048, 8, False),
+                                                              (16, 2048, 6, True), (64, 7168, 9, False),
+                                                              (5, 260, 6, True), (128, 520, 4, False)])
+def test_combine_add_rms_norm_equals_unfused(cuda_backend, cuda_moe, rng, tokens, hidden, top_k, with_shared):
+    """moe_combine_add_rms_norm (OPENINFER_MOE_COMBINE_NORM) against moe_combine then the backend's add_rms_norm:
+    the same bits (out and residual_out), with and without a shared row, widths not whole thread passes; and
+    against the NumPy fp32 composition (Σ w·y (+ shared) + residual, RMS-normalised, times the weight) within
+    bf16 rounding; a wrong residual shape is a clear error."""
+    moe, eps = cuda_moe, 1e-6
+    grouping, weights, (y_host, y), (shared_host, shared) = _combine_case(cuda_backend, moe, rng, tokens, hidden,
+                                                                          top_k, with_shared)
+    residual_host, norm_host = bf16_random(rng, tokens, hidden), bf16_random(rng, hidden, scale=0.5)
+    residual, norm = cuda_backend.upload(residual_host), cuda_backend.weight(norm_host)
+    plain_out, plain_residual = cuda_backend.add_rms_norm(moe.combine(y, grouping, shared, hidden, vectorized=False),
+                                                          residual, norm, eps)
+    out, residual_out = moe.combine_add_rms_norm(y, grouping, shared, residual, norm, eps)
+    assert np.array_equal(out.get(), plain_out.get())
+    assert np.array_equal(residual_out.get(), plain_residual.get())
+    slot_pos = grouping.slot_pos.get().reshape(tokens, top_k)
+    combined = np.einsum("tk,tkh->th", weights, y_host[slot_pos])
+    summed = combined + (shared_host if with_shared else 0) + residual_host
+    reference = summed / np.sqrt((summed ** 2).mean(-1, keepdims=True) + eps) * norm_host
+    assert relative_error(cuda_backend.to_host(residual_out), summed) < 1e-2
+    assert relative_error(cuda_backend.to_host(out), reference) < 1e-2
+    with pytest.raises(ValueError, match="residual"):
+        moe.combine_add_rms_norm(y, grouping, shared, residual[:, :-8], norm, eps)
 
-    gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
-    down, down_ref = _expert_weights(rng, "bf16", num_experts, hidden, inter)
-    spec = RouterSpec(num_experts, top_k, "sigmoid", num_groups=num_groups, topk_groups=topk_groups,
-                      routed_scaling_factor=2.446)
-    gate_host = bf16_random(rng, num_experts, hidden, scale=0.1)
-    bias = (0.3 * rng.standard_normal(num_experts)).astype(np.float32)
-    layer = moe.DeviceMoE(spec, cuda_backend.weight(gate_host), cupy.asarray(bias), gate_up, down)
-    shared_gate_up_ref = bf16_random(rng, 2 * shared * inter, hidden, scale=0.05)
-    shared_down_ref = bf16_random(rng, hidden, shared * inter, scale=0.05)
-    shared_gate_up = cuda_backend.linear_weight(shared_gate_up_ref)
-    shared_down = cuda_backend.linear_weight(shared_down_ref)
-    fused = moe.fuse_shared_experts(layer, shared_gate_up.weight, shared_down.weight)
-    host = (gate_host, bias, gate_up_ref, down_ref, shared_gate_up_ref, shared_down_ref)
-    return moe, layer, fused, (shared_gate_up, shared_down), host
 
+@pytest.mark.parametrize("registers", [0, 1])
+@pytest.mark.parametrize("rows,features", [(1, 2048), (16, 2048), (16, 7168), (5, 260), (3, 520), (2, 9000)])
+def test_add_rms_norm_block_kernel(cuda_backend, rng, rows, features, registers):
+    """rms_norm.cu add_rms_norm (the block kernel of decode-sized steps; ADD_NORM_REGISTERS=1: its columns in
+    registers up to 8 a thread, 9000 features the two passes over memory): residual_out = bf16(x + residual) exactly, out the bits of the rms_norm
+    block kernel (normalize_row: the same threads, the same sum order) on that residual_out, and NumPy's fp32 RMSNorm
+    within bf16 rounding."""
+    from openinfer.backend.cuda.backend import _norm_threads
+    from openinfer.backend.cuda.bf16 import bf16_bits_to_float, float_to_bf16_bits
+    from openinfer.backend.cuda.loader import kernel
 
-def _moe_reference(x, spec, host):
-    """NumPy fp32: routed experts (core's reference ops) + the shared SwiGLU MLP."""
-    from openinfer.backend.numpy_backend import NumpyBackend
-    from openinfer.moe import ExpertWeights, group_by_expert, route, run_experts
-
-    ref = NumpyBackend()
-    gate_host, bias, gate_up_ref, down_ref, shared_gate_up_ref, shared_down_ref = host
-    weights, ids = route(x @ gate_host.T, spec, bias)
-    experts = [ExpertWeights(ref.linear_weight(gate_up_ref[e]), ref.linear_weight(down_ref[e]))
-               for e in range(spec.num_experts)]
-    routed = run_experts(ref, x, weights, group_by_expert(ids, spec.num_experts), experts)
-    hidden = x @ shared_gate_up_ref.T
-    half = hidden.shape[1] // 2
-    return routed + (hidden[:, :half] / (1 + np.exp(-hidden[:, :half])) * hidden[:, half:]) @ shared_down_ref.T
+    eps = 1e-6
+    x_host, residual_host = bf16_random(rng, rows, features), bf16_random(rng, rows, features)
+    norm_host = bf16_random(rng, features, scale=0.5)
+    x, residual, norm = cuda_backend.upload(x_host), cuda_backend.upload(residual_host), cuda_backend.weight(norm_host)
+    out, residual_out, renormed = (cupy.empty((rows, features), cupy.uint16) for _ in range(3))
+    threads = _norm_threads(features)
+    kernel("rms_norm.cu", "add_rms_norm", ADD_NORM_REGISTERS=registers)((rows,), (threads,), (
+        x, residual, norm, out, residual_out, np.int32(features), np.float32(eps)))
+    kernel("rms_norm.cu", "rms_norm")((rows,), (threads,), (residual_out, norm, renormed, np.int32(features),
+                                                            np.float32(eps)))
+    summed = bf16_bits_to_float(float_to_bf16_bits((x_host + residual_host).astype(np.float32)))
+    assert np.array_equal(residual_out.get(), float_to_bf16_bits(summed))
+    assert np.array_equal(out.get(), renormed.get())
+    reference = summed / np.sqrt((summed.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps) * norm_host
+    assert relative_error(cuda_backend.to_host(out), reference) < 1e-2
 
 
 @pytest.mark.parametrize("tokens,num_experts,top_k,shared,groups", [
@@ -380,33 +698,19 @@ def test_shared_experts_fused_matches_unfused_and_numpy(cuda_backend, rng, token
         return cuda_backend.silu_mul_linear(cuda_backend.linear(h, shared_gate_up), shared_down)
 
     unfused = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer, shared_experts=shared_mlp))
-
-    def step():
-        return moe.moe_forward(cuda_backend, x, fused)
-
-    eager = cuda_backend.to_host(step())
-    reference = _moe_reference(x_host, layer.router, host)
-    assert relative_error(eager, reference) < 2e-2
+    out = moe.moe_forward(cuda_backend, x, fused)
+    eager = cuda_backend.to_host(out)
+    assert relative_error(eager, _moe_reference(x_host, layer.router, host)) < 2e-2
     assert relative_error(eager, unfused) < 2e-2
     with pytest.raises(ValueError, match="fused"):
         moe.moe_forward(cuda_backend, x, fused, shared_experts=shared_mlp)
-    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-    with cupy.cuda.using_allocator(pool.malloc), stream:
-        step()
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            out = step()
-        finally:
-            graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-        assert np.array_equal(cuda_backend.to_host(out), eager)
+    _, replay = _replayed(lambda: moe.moe_forward(cuda_backend, x, fused))
+    assert np.array_equal(replay, out.get())
 
 
 def test_shared_fusion_fits_and_switch(cuda_backend, rng, monkeypatch):
     """What fuse_shared_experts refuses (a shared intermediate not a whole number of experts, INT4 experts,
-    an already fused layer) with a clear error; $OPENINFER_MOE_SHARED_FUSED parses 1 / 0 and refuses others."""
+    an already fused layer) with a clear error; $OPENINFER_MOE_SHARED_FUSED parses 1 / 0."""
     moe, layer, fused, (shared_gate_up, shared_down), _ = _shared_fusion_case(cuda_backend, rng, 8, 2, 1, 256, 64)
     assert not moe.shared_fusion_fits(fused, shared_gate_up.weight, shared_down.weight)
     odd_up = cuda_backend.weight(bf16_random(rng, 2 * 96, 256))
@@ -420,93 +724,9 @@ def test_shared_fusion_fits_and_switch(cuda_backend, rng, monkeypatch):
     assert not moe.shared_fusion_fits(int4_layer, shared_gate_up.weight, shared_down.weight)
     monkeypatch.delenv(moe.SHARED_FUSED_ENV, raising=False)
     assert moe.shared_fusion_wanted() == moe.DEFAULT_SHARED_FUSED
-    monkeypatch.setenv(moe.SHARED_FUSED_ENV, "0")
-    assert not moe.shared_fusion_wanted()
-    monkeypatch.setenv(moe.SHARED_FUSED_ENV, "1")
-    assert moe.shared_fusion_wanted()
-    monkeypatch.setenv(moe.SHARED_FUSED_ENV, "yes please")
-    with pytest.raises(ValueError, match="must be 1 or 0"):
-        moe.shared_fusion_wanted()
-
-
-@pytest.mark.parametrize("tokens,experts,top_k,shared,scoring", [
-    (1, 64, 6, 0, "sigmoid"), (16, 64, 6, 2, "sigmoid"), (64, 64, 6, 2, "sigmoid"), (37, 60, 4, 0, "softmax"),
-    (64, 384, 8, 1, "sigmoid"), (3, 512, 16, 0, "sqrtsoftplus")])
-def test_route_sort_equals_route_then_sort(cuda_backend, rng, monkeypatch, tokens, experts, top_k, shared, scoring):
-    """moe_route_sort (OPENINFER_MOE_ROUTE_SORT=1, one block): moe_route_warps' ids and weights (the fused
-    shared experts' columns too), moe_sort_parallel's offsets, tile list and tile count, every expert's
-    segment holding exactly its slots, slot_pos its inverse; moe_forward gives the bits of the unswitched
-    path, eagerly and replayed from a CUDA graph."""
-    from openinfer.backend.cuda import moe
-
-    hidden, inter = 256, 64
-    router = RouterSpec(experts, top_k, scoring, norm_topk_prob=scoring != "softmax", routed_scaling_factor=2.446)
-    gate_up, _ = _expert_weights(rng, "bf16", experts + shared, 2 * inter, hidden)
-    down, _ = _expert_weights(rng, "bf16", experts + shared, hidden, inter)
-    bias = None if scoring == "softmax" else cupy.asarray((0.3 * rng.standard_normal(experts)).astype(np.float32))
-    layer = moe.DeviceMoE(router, cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1)), bias,
-                          gate_up, down, shared_experts=shared)
-    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
-    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
-    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "1")
-    assert moe.route_sort_wanted(tokens, router, None, shared)
-    grouping = moe.route_and_group(x, layer)
-    ids, weights = moe.route(x, layer.gate, router, bias, shared_experts=shared)
-    assert np.array_equal(grouping.ids.get(), ids.get())
-    if scoring == "softmax":
-        assert np.allclose(grouping.weights.get(), weights.get(), rtol=1e-6, atol=1e-7)
-    else:
-        assert np.array_equal(grouping.weights.get(), weights.get())
-    reference = moe.group_by_expert(ids, weights, experts + shared, method="single")
-    offsets = reference.offsets.get()
-    assert np.array_equal(grouping.offsets.get(), offsets)
-    tiles = int(reference.num_tiles.get()[0])
-    assert grouping.max_tiles == reference.max_tiles and int(grouping.num_tiles.get()[0]) == tiles
-    assert np.array_equal(grouping.tile_expert.get()[:tiles], reference.tile_expert.get()[:tiles])
-    assert np.array_equal(grouping.tile_row.get()[:tiles], reference.tile_row.get()[:tiles])
-    sorted_slots, slot_pos, flat_ids = grouping.sorted_slots.get(), grouping.slot_pos.get(), ids.get().reshape(-1)
-    assert np.array_equal(sorted_slots[slot_pos], np.arange(flat_ids.size))
-    for e in range(experts + shared):
-        segment = sorted_slots[offsets[e]:offsets[e + 1]]
-        assert np.array_equal(np.sort(segment), np.flatnonzero(flat_ids == e))
-    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "0")
-    plain = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer))
-    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
-    assert np.array_equal(cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer)), plain)
-    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-    with cupy.cuda.using_allocator(pool.malloc), stream:
-        moe.moe_forward(cuda_backend, x, layer)
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            out = moe.moe_forward(cuda_backend, x, layer)
-        finally:
-            graph = stream.end_capture()
-        for _ in range(2):
-            graph.launch(stream)
-            stream.synchronize()
-            assert np.array_equal(cuda_backend.to_host(out), plain)
-
-
-def test_route_sort_switch_bounds(monkeypatch):
-    """moe_route_sort only where switched on and its shared arrays hold the step; a bad value is a clear error."""
-    from openinfer.backend.cuda import moe
-
-    spec = RouterSpec(64, 6, "sigmoid")
-    monkeypatch.delenv(moe.ROUTE_SORT_ENV, raising=False)
-    assert moe.route_sort_wanted(moe.ROUTE_SORT_DEFAULT_MAX_TOKENS, spec)
-    assert not moe.route_sort_wanted(moe.ROUTE_SORT_DEFAULT_MAX_TOKENS + 1, spec)
-    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "0")
-    assert not moe.route_sort_wanted(1, spec) and not moe.route_sort_wanted(16, spec)
-    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
-    assert moe.route_sort_wanted(1, spec) and moe.route_sort_wanted(moe.ROUTE_SORT_MAX_TOKENS, spec, None, 2)
-    assert not moe.route_sort_wanted(0, spec) and not moe.route_sort_wanted(moe.ROUTE_SORT_MAX_TOKENS + 1, spec)
-    assert not moe.route_sort_wanted(16, RouterSpec(64, 6, "sigmoid", num_groups=8, topk_groups=3))
-    assert not moe.route_sort_wanted(16, spec, object())  # hash routing (a tid2eid table)
-    assert not moe.route_sort_wanted(16, RouterSpec(512, 8, "sigmoid"), None, 1)
-    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "sometimes")
-    with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_SORT"):
-        moe.route_sort_wanted(16, spec)
+    for value in ("0", "1"):
+        monkeypatch.setenv(moe.SHARED_FUSED_ENV, value)
+        assert moe.shared_fusion_wanted() is (value == "1")
 
 
 @pytest.mark.parametrize("mode", ["last", "normal"])
@@ -515,12 +735,11 @@ def test_l2_prefetch_leaves_moe_forward_unchanged(cuda_backend, rng, monkeypatch
     """OPENINFER_MOE_L2_PREFETCH (moe_routing.cu moe_l2_prefetch on a side stream, joined after the layer):
     moe_forward of a layer with fused shared experts gives the same bits with the prefetch started before it,
     eagerly and as a CUDA graph replay (the side stream's fork and join captured); a byte cap below the shared
-    experts' size takes gate_up first, whole 16-byte pieces; without fused shared experts nothing starts; bad
-    values are clear errors."""
+    experts' size takes gate_up first, whole 16-byte pieces; without fused shared experts nothing starts."""
     hidden, inter, num_experts, shared = 512, 128, 64, 2
     moe, layer, fused, _, _ = _shared_fusion_case(cuda_backend, rng, num_experts, 6, shared, hidden, inter)
     x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
-    plain = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, fused))
+    plain = moe.moe_forward(cuda_backend, x, fused).get()
     monkeypatch.setenv(moe.L2_PREFETCH_ENV, mode)
     assert moe.start_l2_prefetch(layer) is None  # no fused shared experts: nothing to prefetch
 
@@ -531,114 +750,41 @@ def test_l2_prefetch_leaves_moe_forward_unchanged(cuda_backend, rng, monkeypatch
         moe.join_l2_prefetch(joined)
         return out
 
-    assert np.array_equal(cuda_backend.to_host(step()), plain)
-    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-    with cupy.cuda.using_allocator(pool.malloc), stream:
-        step()
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            out = step()
-        finally:
-            graph = stream.end_capture()
-        out[...] = 0
-        graph.launch(stream)
-        stream.synchronize()
-        assert np.array_equal(cuda_backend.to_host(out), plain)
+    assert np.array_equal(step().get(), plain)
+    _, replay = _replayed(step)
+    assert np.array_equal(replay, plain)
     gate_up_bytes = shared * 2 * inter * hidden * 2
     monkeypatch.setenv(moe.L2_PREFETCH_MB_ENV, str((gate_up_bytes + 1000) / 2**20))
     views = moe.shared_expert_ranges(fused, moe.l2_prefetch_bytes())
     assert [v.nbytes for v in views] == [gate_up_bytes, 992]
     assert views[0].data.ptr == fused.gate_up.data[num_experts].data.ptr
     assert views[1].data.ptr == fused.down.data[num_experts].data.ptr
-    assert np.array_equal(cuda_backend.to_host(step()), plain)
-    monkeypatch.setenv(moe.L2_PREFETCH_MB_ENV, "lots")
-    with pytest.raises(ValueError, match="OPENINFER_MOE_L2_PREFETCH_MB"):
-        moe.l2_prefetch_bytes()
-    monkeypatch.setenv(moe.L2_PREFETCH_ENV, "sometimes")
-    with pytest.raises(ValueError, match="OPENINFER_MOE_L2_PREFETCH"):
-        moe.l2_prefetch_mode()
+    assert np.array_equal(step().get(), plain)
     monkeypatch.delenv(moe.L2_PREFETCH_ENV)
     assert moe.l2_prefetch_mode() == moe.L2_PREFETCH_DEFAULT_MODE
-
-
-@pytest.mark.parametrize("tokens,hidden,top_k,with_shared", [(1, 2048, 8, False), (16, 2048, 8, False),
-                                                              (16, 2048, 6, True), (64, 7168, 9, False),
-                                                              (5, 260, 6, True), (128, 520, 4, False)])
-def test_combine_add_rms_norm_equals_unfused(cuda_backend, rng, tokens, hidden, top_k, with_shared):
-    """moe_combine_add_rms_norm (OPENINFER_MOE_COMBINE_NORM) against moe_combine then the backend's add_rms_norm:
-    the same bits (out and residual_out), with and without a shared row, widths not whole thread passes; and
-    against the NumPy fp32 composition (Σ w·y (+ shared) + residual, RMS-normalised, times the weight) within
-    bf16 rounding; a wrong residual shape is a clear error."""
-    from openinfer.backend.cuda import moe
-
-    experts, eps = 32, 1e-6
-    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
-    weights = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
-    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), experts)
-    y_host = bf16_random(rng, tokens * top_k, hidden)
-    shared_host = bf16_random(rng, tokens, hidden) if with_shared else None
-    residual_host, norm_host = bf16_random(rng, tokens, hidden), bf16_random(rng, hidden, scale=0.5)
-    y = cuda_backend.upload(y_host)
-    shared = cuda_backend.upload(shared_host) if with_shared else None
-    residual, norm = cuda_backend.upload(residual_host), cuda_backend.weight(norm_host)
-    plain_out, plain_residual = cuda_backend.add_rms_norm(moe.combine(y, grouping, shared, hidden, vectorized=False),
-                                                          residual, norm, eps)
-    out, residual_out = moe.combine_add_rms_norm(y, grouping, shared, residual, norm, eps)
-    assert np.array_equal(out.get(), plain_out.get())
-    assert np.array_equal(residual_out.get(), plain_residual.get())
-    slot_pos = grouping.slot_pos.get().reshape(tokens, top_k)
-    combined = np.einsum("tk,tkh->th", weights, y_host[slot_pos])
-    summed = combined + (shared_host if with_shared else 0) + residual_host
-    reference = summed / np.sqrt((summed ** 2).mean(-1, keepdims=True) + eps) * norm_host
-    assert relative_error(cuda_backend.to_host(residual_out), summed) < 1e-2
-    assert relative_error(cuda_backend.to_host(out), reference) < 1e-2
-    with pytest.raises(ValueError, match="residual"):
-        moe.combine_add_rms_norm(y, grouping, shared, residual[:, :-8], norm, eps)
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 64, 200])
 def test_moe_forward_add_norm_equals_unfused(cuda_backend, rng, monkeypatch, tokens):
     """moe_forward(add_norm=...) = add_rms_norm(moe_forward(...)): with OPENINFER_MOE_COMBINE_NORM=1 fused up to
-    COMBINE_NORM_MAX_TOKENS tokens (200: the two ops), the same bits either way, also as a CUDA graph replay; a
-    bad value is a clear error."""
+    COMBINE_NORM_MAX_TOKENS tokens (200: the two ops), the same bits either way, also as a CUDA graph replay."""
     hidden, inter, eps = 512, 128, 1e-6
     moe, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
     x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
     residual, norm = cuda_backend.upload(bf16_random(rng, tokens, hidden)), cuda_backend.weight(bf16_random(rng, hidden))
-    plain = [a.get() for a in cuda_backend.add_rms_norm(moe.moe_forward(cuda_backend, x, fused), residual, norm, eps)]
+    plain = _host(cuda_backend.add_rms_norm(moe.moe_forward(cuda_backend, x, fused), residual, norm, eps))
     monkeypatch.setenv(moe.COMBINE_NORM_ENV, "1")
     assert moe.combine_norm_wanted(tokens) is (tokens <= moe.COMBINE_NORM_MAX_TOKENS)
-
-    def step():
-        return moe.moe_forward(cuda_backend, x, fused, add_norm=(residual, norm, eps))
-
-    assert all(np.array_equal(a.get(), b) for a, b in zip(step(), plain, strict=True))
-    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-    with cupy.cuda.using_allocator(pool.malloc), stream:
-        step()
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            outs = step()
-        finally:
-            graph = stream.end_capture()
-        for a in outs:
-            a[...] = 0
-        graph.launch(stream)
-        stream.synchronize()
-        assert all(np.array_equal(a.get(), b) for a, b in zip(outs, plain, strict=True))
-    monkeypatch.setenv(moe.COMBINE_NORM_ENV, "sometimes")
-    with pytest.raises(ValueError, match="OPENINFER_MOE_COMBINE_NORM"):
-        moe.combine_norm_wanted(16)
+    eager, replay = _replayed(lambda: moe.moe_forward(cuda_backend, x, fused, add_norm=(residual, norm, eps)))
+    assert _equal(eager, plain) and _equal(replay, plain)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 16, 64])
 def test_moe_block_route_norm_equals_unfused(cuda_backend, rng, monkeypatch, tokens):
     """OPENINFER_MOE_ROUTE_NORM: moe_add_rms_norm_route gives add_rms_norm's h and residual and route(h)'s ids and
     weights bit for bit (fused shared experts appended); moe_block equals add_rms_norm -> moe_forward (-> the next
-    add_rms_norm), also with the combine fused into that norm, eagerly and as a CUDA graph replay; bad values are
-    clear errors."""
+    add_rms_norm), also with the combine fused into that norm, eagerly and as a CUDA graph replay; a bad value is a
+    clear error."""
     hidden, inter, eps = 512, 128, 1e-6
     moe, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
     x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
@@ -654,53 +800,15 @@ def test_moe_block_route_norm_equals_unfused(cuda_backend, rng, monkeypatch, tok
         assert np.array_equal(ours.get(), ref.get())
     moe_out = moe.moe_forward(cuda_backend, h_ref, fused)
     plain = (moe_out.get(), residual_ref.get())
-    plain_next = [a.get() for a in cuda_backend.add_rms_norm(moe_out, residual_ref, next_norm, eps)]
-    assert all(np.array_equal(a.get(), b) for a, b in zip(
-        moe.moe_block(cuda_backend, x, residual, post_norm, eps, fused), plain, strict=True))
+    plain_next = _host(cuda_backend.add_rms_norm(moe_out, residual_ref, next_norm, eps))
+    assert _equal(_host(moe.moe_block(cuda_backend, x, residual, post_norm, eps, fused)), plain)
     for combine_norm in ("0", "1"):
         monkeypatch.setenv(moe.COMBINE_NORM_ENV, combine_norm)
-
-        def step():
-            return moe.moe_block(cuda_backend, x, residual, post_norm, eps, fused, next_norm)
-
-        assert all(np.array_equal(a.get(), b) for a, b in zip(step(), plain_next, strict=True))
-        pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-        with cupy.cuda.using_allocator(pool.malloc), stream:
-            step()
-            stream.synchronize()
-            stream.begin_capture()
-            try:
-                outs = step()
-            finally:
-                graph = stream.end_capture()
-            for a in outs:
-                a[...] = 0
-            graph.launch(stream)
-            stream.synchronize()
-            assert all(np.array_equal(a.get(), b) for a, b in zip(outs, plain_next, strict=True))
+        eager, replay = _replayed(lambda: moe.moe_block(cuda_backend, x, residual, post_norm, eps, fused, next_norm))
+        assert _equal(eager, plain_next) and _equal(replay, plain_next)
     monkeypatch.setenv(moe.ROUTE_NORM_ENV, "sometimes")
     with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_NORM"):
         moe.route_norm_wanted(x, fused)
-
-
-@pytest.mark.parametrize("shape", ["m64_n128_k2", "m64_n128_k2_sk"])
-@pytest.mark.parametrize("tokens", [16, 64])
-def test_sm90_rotated_units_equal(cuda_backend, cuda_moe, sm90_moe, rng, monkeypatch, shape, tokens):
-    """moe_sm90.rotated_units(S) (moe_sm90.cu SM90_ROTATE: the last S experts' units first, for the L2 prefetch of
-    fused shared experts): the same bits as expert order, gate_up with SiLU·mul and down, PDL on, stream-K too
-    (the decode shape, its builds compiled here)."""
-    moe, moe_sm90 = cuda_moe, sm90_moe
-    hidden, inter = 512, 128
-    _, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
-    monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, shape)
-    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
-    ids, weights = moe.route(x, fused.gate, fused.router, fused.correction_bias, shared_experts=fused.shared_experts)
-    grouping = moe.group_by_expert(ids, weights, fused.gate_up.num_experts)
-    assert moe_sm90.sm90_experts(x, fused.gate_up, int(grouping.sorted_slots.size), True)
-    plain = moe.routed_experts(cuda_backend, x, fused.gate_up, fused.down, grouping).get()
-    with moe_sm90.rotated_units(fused.shared_experts):
-        rotated = moe.routed_experts(cuda_backend, x, fused.gate_up, fused.down, grouping).get()
-    assert np.array_equal(rotated, plain)
 
 
 @pytest.mark.parametrize("gemv_kernel", ["mma", "mma_split4", "mma_split4_depth4", "mma_split4_depth8"])
@@ -724,15 +832,8 @@ def test_kimi_dense_gemv_matches_numpy(cuda_backend, rng, monkeypatch, gemv_kern
     eager = cuda_ops.cuda_linear(cuda_backend, x_dev, layer)
     reference = x.astype(np.float64) @ w.T.astype(np.float64)
     assert relative_error(cuda_backend.to_host(eager), reference) < 1e-2
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        graph_out = cuda_ops.cuda_linear(cuda_backend, x_dev, layer)
-        graph = stream.end_capture()
-        graph_out[...] = 0
-        graph.launch()
-        stream.synchronize()
-    assert np.array_equal(graph_out.get(), eager.get())
+    _, replay = _replayed(lambda: cuda_ops.cuda_linear(cuda_backend, x_dev, layer))
+    assert np.array_equal(replay, eager.get())
     assert cuda_ops.dense_gemv_kernel(x_dev[:1], layer) is None
     assert cuda_ops.dense_gemv_kernel(x_dev, CudaLinear(layer.weight, cuda_backend.upload(w[:, 0]))) is None
     big = CudaLinear(cupy.zeros((cuda_ops.DENSE_GEMV_MAX_OUT + 64, in_features), cupy.uint16), None)
@@ -740,85 +841,3 @@ def test_kimi_dense_gemv_matches_numpy(cuda_backend, rng, monkeypatch, gemv_kern
     monkeypatch.setenv(cuda_ops.DENSE_GEMV_ENV, "wide")
     with pytest.raises(ValueError, match="OPENINFER_KIMI_DENSE_GEMV"):
         cuda_ops.dense_gemv_kernel(x_dev, layer)
-
-
-@pytest.mark.parametrize("gate_up_pdl,combine_pdl", [("1", "0"), ("0", "1"), ("1", "1")])
-@pytest.mark.parametrize("tokens", [16, 64, 200])
-def test_gate_up_and_combine_pdl_equal_plain(cuda_backend, sm90_moe, rng, monkeypatch, gate_up_pdl, combine_pdl,
-                                             tokens):
-    """OPENINFER_MOE_GATE_UP_PDL (gate_up launched to overlap the grouping kernel, built to wait for it first:
-    SM90_PDL=2) and OPENINFER_MOE_COMBINE_PDL (moe_combine launched to overlap the down projection, waiting in
-    griddepcontrol.wait): moe_forward gives the plain launches' bits, on a stream of its own eagerly and as a CUDA
-    graph replay (the programmatic edges captured), for steps on the Hopper kernel with the shared experts fused; bad
-    values are clear errors."""
-    hidden, inter = 512, 128
-    moe, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
-    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
-    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "0")  # the grouping by moe_sort_parallel: a kernel of its own before gate_up
-    plain = moe.moe_forward(cuda_backend, x, fused).get()
-    ids, weights = moe.route(x, fused.gate, fused.router, fused.correction_bias, shared_experts=fused.shared_experts)
-    assert moe.sm90_routed(x, fused.gate_up, moe.group_by_expert(ids, weights, fused.gate_up.num_experts))
-    monkeypatch.setenv(sm90_moe.GATE_UP_PDL_ENV, gate_up_pdl)
-    monkeypatch.setenv(moe.COMBINE_PDL_ENV, combine_pdl)
-    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-    with cupy.cuda.using_allocator(pool.malloc), stream:  # cuLaunchKernelEx needs a stream other than the legacy one
-        assert np.array_equal(moe.moe_forward(cuda_backend, x, fused).get(), plain)
-        stream.begin_capture()
-        try:
-            out = moe.moe_forward(cuda_backend, x, fused)
-        finally:
-            graph = stream.end_capture()
-        out[...] = 0
-        graph.launch(stream)
-        stream.synchronize()
-        assert np.array_equal(out.get(), plain)
-    monkeypatch.setenv(sm90_moe.GATE_UP_PDL_ENV, "sometimes")
-    with pytest.raises(ValueError, match="OPENINFER_MOE_GATE_UP_PDL"):
-        sm90_moe.gate_up_pdl()
-    monkeypatch.setenv(moe.COMBINE_PDL_ENV, "sometimes")
-    with pytest.raises(ValueError, match="OPENINFER_MOE_COMBINE_PDL"):
-        moe.combine_pdl_wanted()
-
-
-@pytest.mark.parametrize("ahead,weights_first", [("4", "0"), ("8", "0"), ("0", "1"), ("6", "1")])
-@pytest.mark.parametrize("tokens", [16, 64, 300])
-def test_sm90_l2_ahead_and_b_first_equal_plain(cuda_backend, cuda_moe, sm90_moe, rng, monkeypatch, ahead,
-                                               weights_first, tokens):
-    """OPENINFER_MOE_SM90_L2_AHEAD (the producer's L2 look-ahead over its k-tiles, across its units) and
-    OPENINFER_MOE_SM90_B_FIRST (weight boxes before the gathered A rows): the plain builds' bits for gate_up + down
-    (the decode shape at 16 / 64 tokens, the base shape at 300), with the shared experts fused and rotated first,
-    on a stream of its own eagerly and as a CUDA graph replay; bad values are clear errors."""
-    moe, moe_sm90 = cuda_moe, sm90_moe
-    hidden, inter = 512, 128
-    _, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
-    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
-    ids, weights = moe.route(x, fused.gate, fused.router, fused.correction_bias, shared_experts=fused.shared_experts)
-    grouping = moe.group_by_expert(ids, weights, fused.gate_up.num_experts)
-    assert moe.sm90_routed(x, fused.gate_up, grouping)
-
-    def run():
-        with moe_sm90.rotated_units(fused.shared_experts):
-            return moe.routed_experts(cuda_backend, x, fused.gate_up, fused.down, grouping)
-
-    plain = run().get()
-    monkeypatch.setenv(moe_sm90.L2_AHEAD_ENV, ahead)
-    monkeypatch.setenv(moe_sm90.B_FIRST_ENV, weights_first)
-    assert np.array_equal(run().get(), plain)
-    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-    with cupy.cuda.using_allocator(pool.malloc), stream:
-        assert np.array_equal(run().get(), plain)
-        stream.begin_capture()
-        try:
-            out = run()
-        finally:
-            graph = stream.end_capture()
-        out[...] = 0
-        graph.launch(stream)
-        stream.synchronize()
-        assert np.array_equal(out.get(), plain)
-    monkeypatch.setenv(moe_sm90.L2_AHEAD_ENV, "lots")
-    with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_L2_AHEAD"):
-        moe_sm90.l2_ahead()
-    monkeypatch.setenv(moe_sm90.B_FIRST_ENV, "2")
-    with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_B_FIRST"):
-        moe_sm90.b_first()

@@ -89,26 +89,21 @@ def launch_decode(source: str, name: str, grid, block, args: tuple, shared_mem: 
         kernel(source, name, **defines)(grid, block, args, shared_mem=shared_mem)
 
 
-# OPENINFER_GEMV_DEEP=1 (opt-in until measured): a one-row GEMV whose grid holds at most DEEP_MAX_BLOCKS_PER_SM
-# blocks an SM and whose rows are at least DEEP_MIN_K long runs gemv.cu gemv_m1_deep (passes of 16 raw loads a
-# lane instead of 8: half the round trips; gemv_m1's bits): Kimi-K2's qkv_a (264 blocks, 14 KB rows).
-DEEP_GEMV_ENV, DEEP_MAX_BLOCKS_PER_SM, DEEP_MIN_K = "OPENINFER_GEMV_DEEP", 2, 4096
-DEFAULT_DEEP_GEMV = False
+# OPENINFER_GEMV_PIPELINED=1 (opt-in until measured): one-row GEMVs of rows longer than a pass (PIPELINED_MIN_K) run
+# gemv.cu gemv_m1_pipelined (the next pass's weight words in flight while a pass multiplies; gemv_m1's bits): Kimi-K2's
+# qkv_a (7168: 3.5 passes a warp), o_proj (8192), shared gate_up (7168).
+PIPELINED_GEMV_ENV, PIPELINED_MIN_K = "OPENINFER_GEMV_PIPELINED", 2048 + 8
+DEFAULT_PIPELINED_GEMV = False
 
 
-@functools.cache
-def _sm_count(device: int) -> int:
-    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
-
-
-def deep_gemv_wanted(blocks: int, k: int) -> bool:
-    """Whether a one-row GEMV of ``blocks`` blocks over rows of ``k`` takes gemv_m1_deep (see DEEP_GEMV_ENV): the
-    switch (1 / 0, unset: the default; another value: a clear error) and the shape."""
-    value = os.environ.get(DEEP_GEMV_ENV, "").strip().lower()
+def pipelined_gemv_wanted(k: int) -> bool:
+    """Whether a one-row GEMV over rows of ``k`` takes gemv_m1_pipelined: $OPENINFER_GEMV_PIPELINED (1 / 0, unset:
+    DEFAULT_PIPELINED_GEMV; another value: a clear error) and rows of at least PIPELINED_MIN_K."""
+    value = os.environ.get(PIPELINED_GEMV_ENV, "").strip().lower()
     if value not in ("", "0", "1", "true", "false", "on", "off"):
-        raise ValueError(f"{DEEP_GEMV_ENV} must be 1 or 0, got {value!r}")
-    on = DEFAULT_DEEP_GEMV if value == "" else value in ("1", "true", "on")
-    return on and k >= DEEP_MIN_K and blocks <= DEEP_MAX_BLOCKS_PER_SM * _sm_count(cupy.cuda.Device().id)
+        raise ValueError(f"{PIPELINED_GEMV_ENV} must be 1 or 0, got {value!r}")
+    on = DEFAULT_PIPELINED_GEMV if value == "" else value in ("1", "true", "on")
+    return on and k >= PIPELINED_MIN_K
 
 
 def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
@@ -121,7 +116,7 @@ def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
     bias = layer.bias if layer.bias is not None else NULL
     args = (x, layer.weight, bias, out, np.int32(m), np.int32(n), np.int32(k))
     if rows == 1:
-        launch_decode("gemv.cu", "gemv_m1_deep" if deep_gemv_wanted(grid, k) else "gemv_m1", (grid,),
+        launch_decode("gemv.cu", "gemv_m1_pipelined" if pipelined_gemv_wanted(k) else "gemv_m1", (grid,),
                       (GEMV_WARPS_PER_BLOCK * 32,), args)
         return
     kernel("gemv.cu", f"gemv_m{rows}")((grid,), (GEMV_WARPS_PER_BLOCK * 32,), args)

@@ -102,8 +102,33 @@ WRITE_ABSORB_ENV = "OPENINFER_MLA_WRITE_ABSORB"
 # the Moonlight decode steps were not faster (b16 8.079 vs 8.035 ms; the ledger's eager attention op 1.135 -> 1.096 ms).
 GATHER_Q_ENV = "OPENINFER_MLA_GATHER_Q"
 DEFAULT_GATHER_Q = False
+# Opt-in until a device A/B: $OPENINFER_MLA_Q_VIEW=1 leaves q where the projection wrote it (Moonlight: a row view
+# of the fused q / kv_a output) in absorbed steps: the latent write stores every head's rotated q_pe into a small
+# [T, H, rope] buffer of its own (mla_write_latent_q_pe), W_UK reads q's nope dims through its row stride, and the
+# attention kernels read that q_pe buffer (q_stride rope, offset 0). No copy of q (s12 D2b trace: a
+# cupy_copy__uint16_uint16 of 1.5 us a layer at Moonlight b16) and no in-place rotation: the same values, the same bits.
+Q_VIEW_ENV = "OPENINFER_MLA_Q_VIEW"
+DEFAULT_Q_VIEW = False
+# Opt-in until a device A/B: $OPENINFER_MLA_FUSED_WRITE=1 folds mla_write_latent into mla_attention_tma in steps of
+# one new token per sequence (decode steps and their graphs): the split that holds a token's own position computes
+# its latent row (the write kernel's sums), head block 0 stores it, the tile holding that position takes it from
+# shared memory, and every CTA rotates q's rope dims as it loads them from the projection's rows (q read in place, as
+# Q_VIEW; W_UK strided). The splits cut the cached keys and the last one adds the own row (alone in its tile where the
+# cached keys fill whole tiles: no copy for it): Moonlight b16's 1,025-key contexts run 16 splits of 64 keys (2 tiles,
+# both in flight from the start) instead of 11 of 96 (3 tiles, the third behind a refill); Kimi b1 32 of 32 instead
+# of 17 of 64. One launch fewer a layer (s12 D1, Moonlight b16: the latent write took 4.0 us a layer); with one split
+# the same bits, with more the same sums over other split bounds. Other kernels (off Hopper, the step's choice) take
+# mla_write_latent_q_pe first.
+FUSED_WRITE_ENV = "OPENINFER_MLA_FUSED_WRITE"
+DEFAULT_FUSED_WRITE = False
 WRITE_ABSORB_MAX_TOKENS = 16  # mla.cu ABSORB_MAX_TOKENS (each thread's accumulators: 16 rows x 8 columns)
 WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
+# Opt-in until a device A/B: $OPENINFER_MLA_ABSORB_SMALL=1 runs W_UK as mla_absorb_small (mla_write_absorb's blocks
+# without the write: each thread's W_UK rows as 16-byte vectors all in flight, loaded before the programmatic wait
+# under $OPENINFER_MLA_PDL) instead of cuBLAS's batched GEMM in steps of at most WRITE_ABSORB_MAX_TOKENS rows; q read
+# through its row stride. s12 D1 (H200, CUPTI): W_UK 3.3 us a layer at Moonlight b16; s12 D3: 4.6 us at Kimi b1 (8 MB).
+ABSORB_SMALL_ENV = "OPENINFER_MLA_ABSORB_SMALL"
+DEFAULT_ABSORB_SMALL = False
 # Opt-in: $OPENINFER_MLA_EXPAND_SMALL=1 runs W_UV as mla_expand_small (tensor cores, one launch, fragments straight
 # from global memory) instead of cuBLAS's batched GEMM in steps of at most EXPAND_SMALL_MAX_TOKENS rows.
 EXPAND_SMALL_ENV = "OPENINFER_MLA_EXPAND_SMALL"
@@ -382,6 +407,19 @@ def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy
         o_latent = absorbed_attention(q_latent, q, cache, spec, batch, None, num_sms, absorbed_kernel)
         expand_values(blas, o_latent, w_uv, spec, out)
         return out
+    if plan is None and fused_write_fits(q, spec, batch):
+        q_latent = absorb_queries(blas, q, w_uk, spec)  # q's nope dims where they lie
+        write = LatentWrite(latent, kv_a_norm, eps, cos, sin)
+        o_latent = absorbed_attention(q_latent, q, cache, spec, batch, None, num_sms, absorbed_kernel,
+                                      latent_write=write)
+        expand_values(blas, o_latent, w_uv, spec, out)
+        return out
+    if plan is None and q_view_fits(q, spec):
+        q_pe = write_latent_q_pe(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
+        q_latent = absorb_queries(blas, q, w_uk, spec)
+        o_latent = absorbed_attention(q_latent, q_pe, cache, spec, batch, None, num_sms, absorbed_kernel, q_pe_only=True)
+        expand_values(blas, o_latent, w_uv, spec, out)
+        return out
     if gather_q_fits(q, spec):
         q = write_latent_gather_q(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
     else:
@@ -481,6 +519,55 @@ def write_latent_gather_q(q_rows: cupy.ndarray, latent: cupy.ndarray, cache: cup
         q, np.int32(heads), np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), batch.positions,
         batch.slot_mapping, cos, sin, cache))
     return q
+
+
+@dataclass(frozen=True)
+class LatentWrite:
+    """The latent write an attention kernel does itself (``fused_write_fits``): the step's un-normed latent rows (a
+    row view), the norm and the rope tables."""
+
+    latent: cupy.ndarray
+    kv_a_norm: cupy.ndarray
+    eps: float
+    cos: cupy.ndarray
+    sin: cupy.ndarray
+
+
+def fused_write_fits(q: cupy.ndarray, spec: MLASpec, batch) -> bool:
+    """Whether ``mla_forward``'s absorbed step folds the latent write into the attention kernel
+    ($OPENINFER_MLA_FUSED_WRITE 1 / 0, unset: DEFAULT_FUSED_WRITE; another value: a clear error): one new token per
+    sequence (rows == sequences: decode steps and their graphs) and q in rows of unit column stride (read in place,
+    as $OPENINFER_MLA_Q_VIEW). Kernels other than mla_attention_tma take the q_pe write (``attend_splits``)."""
+    text = os.environ.get(FUSED_WRITE_ENV) or str(int(DEFAULT_FUSED_WRITE))
+    if text not in ("0", "1"):
+        raise ValueError(f"{FUSED_WRITE_ENV} is 0 or 1; got {text!r}")
+    return (text == "1" and q.ndim == 2 and q.strides[1] == q.itemsize and q.strides[0] % q.itemsize == 0
+            and q.shape[1] == spec.num_heads * spec.qk_head_dim and int(q.shape[0]) == int(batch.num_seqs))
+
+
+def q_view_fits(q: cupy.ndarray, spec: MLASpec) -> bool:
+    """Whether ``mla_forward``'s absorbed step reads ``q`` where it lies ($OPENINFER_MLA_Q_VIEW 1 / 0, unset:
+    DEFAULT_Q_VIEW; another value: a clear error): rows of unit column stride and 2-byte-aligned row stride."""
+    text = os.environ.get(Q_VIEW_ENV) or str(int(DEFAULT_Q_VIEW))
+    if text not in ("0", "1"):
+        raise ValueError(f"{Q_VIEW_ENV} is 0 or 1; got {text!r}")
+    return (text == "1" and q.ndim == 2 and q.strides[1] == q.itemsize and q.strides[0] % q.itemsize == 0
+            and q.shape[1] == spec.num_heads * spec.qk_head_dim)
+
+
+def write_latent_q_pe(q_rows: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_a_norm: cupy.ndarray,
+                      spec: MLASpec, batch, cos: cupy.ndarray, sin: cupy.ndarray, eps: float) -> cupy.ndarray:
+    """``mla_write_latent_q_pe``: the latent rows stored (as ``write_latent``) and every head's rotated q_pe of
+    ``q_rows`` (a row view or contiguous; left as it is) returned as its own ``[T, H, rope]``."""
+    heads = spec.num_heads
+    q_pe = cupy.empty((int(q_rows.shape[0]), heads, spec.qk_rope_dim), dtype=cupy.uint16)
+    spread = os.environ.get(SPREAD_ROPE_ENV, "1") not in ("0", "false", "off")
+    rope_blocks = -(-heads * spec.qk_rope_dim // 2 // 128) if spread else 1
+    kernel("mla.cu", "mla_write_latent_q_pe", **_decode_defines(spec))((int(q_rows.shape[0]), rope_blocks), (128,), (
+        latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q_rows, np.int32(q_rows.strides[0] // 2),
+        q_pe, np.int32(heads), np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), batch.positions,
+        batch.slot_mapping, cos, sin, cache))
+    return q_pe
 
 
 def write_absorb_fits(num_tokens: int, spec: MLASpec) -> bool:
@@ -601,13 +688,32 @@ def _mma_decode_kernel(spec: MLASpec, blocks_of_16: bool):
     return attention, smem
 
 
+def absorb_small_fits(num_tokens: int, spec: MLASpec) -> bool:
+    """Whether W_UK of ``num_tokens`` rows runs mla_absorb_small ($OPENINFER_MLA_ABSORB_SMALL 1 / 0, unset:
+    DEFAULT_ABSORB_SMALL; another value: a clear error; at most WRITE_ABSORB_MAX_TOKENS rows, whole 64-column blocks
+    of the latent, nope in 16 row groups). Row count only: graph-safe."""
+    text = os.environ.get(ABSORB_SMALL_ENV) or str(int(DEFAULT_ABSORB_SMALL))
+    if text not in ("0", "1"):
+        raise ValueError(f"{ABSORB_SMALL_ENV} is 0 or 1; got {text!r}")
+    return (text == "1" and 0 < num_tokens <= WRITE_ABSORB_MAX_TOKENS and spec.kv_lora_rank % WRITE_ABSORB_COLUMNS == 0
+            and spec.qk_nope_dim % 16 == 0)
+
+
 def absorb_queries(blas: Cublas, q: cupy.ndarray, w_uk: cupy.ndarray, spec: MLASpec) -> cupy.ndarray:
-    """W_UK: ``q_latent [T, H, lora]`` from the nope dims of ``q [T, H·(nope+rope)]`` (one strided-batched GEMM)."""
+    """W_UK: ``q_latent [T, H, lora]`` from the nope dims of ``q [T, H·(nope+rope)]`` (one strided-batched GEMM, or
+    mla_absorb_small; ``q`` contiguous or a row view of unit column stride)."""
     num_tokens, heads, nope, lora = int(q.shape[0]), spec.num_heads, spec.qk_nope_dim, spec.kv_lora_rank
     q_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
+    if absorb_small_fits(num_tokens, spec):
+        launch(kernel("mla.cu", "mla_absorb_small", **_decode_defines(spec)), (heads, lora // WRITE_ABSORB_COLUMNS),
+               (WRITE_ABSORB_THREADS,), (q, np.int32(q.strides[0] // q.itemsize), np.int32(spec.qk_head_dim),
+                                         np.int32(heads), np.int32(num_tokens), w_uk, q_latent),
+               after_previous=pdl())
+        return q_latent
     # q_latent_h^T [lora x T] = W_UK[h]^T [lora x nope] . q_nope_h^T [nope x T]   (column-major)
+    row_stride = q.strides[0] // q.itemsize  # heads·(nope+rope) for a contiguous q; a row view's own stride
     blas.matmul_strided_batched(False, False, lora, num_tokens, nope, w_uk, lora, nope * lora,
-                                q, heads * spec.qk_head_dim, spec.qk_head_dim, q_latent, heads * lora, lora, heads)
+                                q, row_stride, spec.qk_head_dim, q_latent, heads * lora, lora, heads)
     return q_latent
 
 
@@ -621,12 +727,15 @@ class SplitPartials:
 
 
 def absorbed_attention(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, spec: MLASpec, batch,
-                       token_rows: cupy.ndarray | None, num_sms: int, absorbed_kernel: str | None = None
-                       ) -> cupy.ndarray:
+                       token_rows: cupy.ndarray | None, num_sms: int, absorbed_kernel: str | None = None,
+                       q_pe_only: bool = False, latent_write: LatentWrite | None = None) -> cupy.ndarray:
     """``o_latent [T, H, lora]``: attention of the rows' absorbed queries (``q_latent``, and q's
     rotated rope dims) over their sequences' cached latents, split over the context and combined.
-    ``token_rows``: each row's token in the step (None: row i is token i)."""
-    o_latent, partials = attend_splits(q_latent, q, cache, spec, batch, token_rows, num_sms, absorbed_kernel)
+    ``token_rows``: each row's token in the step (None: row i is token i); ``q_pe_only``: ``q`` holds only the
+    rotated rope dims, ``[T, H, rope]`` (write_latent_q_pe); ``latent_write``: the step's latent rows are not in the
+    cache yet and q's rope dims not rotated (``fused_write_fits``)."""
+    o_latent, partials = attend_splits(q_latent, q, cache, spec, batch, token_rows, num_sms, absorbed_kernel,
+                                       q_pe_only, latent_write)
     if partials is not None:
         combine_splits(partials, o_latent, spec)
     return o_latent
@@ -649,10 +758,11 @@ def combine_splits(partials: SplitPartials, o_latent: cupy.ndarray, spec: MLASpe
 
 
 def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, spec: MLASpec, batch,
-                  token_rows: cupy.ndarray | None, num_sms: int, absorbed_kernel: str | None = None
+                  token_rows: cupy.ndarray | None, num_sms: int, absorbed_kernel: str | None = None,
+                  q_pe_only: bool = False, latent_write: LatentWrite | None = None
                   ) -> tuple[cupy.ndarray, SplitPartials | None]:
-    """``absorbed_attention``'s attention kernel alone: ``o_latent`` (written only without splits)
-    and the splits' partials to combine (None: one split)."""
+    """``absorbed_attention``'s attention kernel alone: ``o_latent`` (written only without splits, or combined in
+    the kernel) and the splits' partials to combine (None: none left to combine)."""
     num_tokens = int(q.shape[0])
     name = choose_absorbed_kernel(spec.num_heads, num_tokens, absorbed_kernel)
     if name == "tma" and not mla_decode_sm90.tma_decode_fits(spec, cache):
@@ -661,10 +771,15 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         name = "mma"
     if name != "cuda_cores" and not mma_decode_fits(spec):
         name = "cuda_cores"
+    if latent_write is not None and name != "tma":  # only the tma kernel writes the latents itself
+        w = latent_write
+        q = write_latent_q_pe(q, w.latent, cache, w.kv_a_norm, spec, batch, w.cos, w.sin, w.eps)
+        q_pe_only, latent_write = True, None
     blocks_of_16 = name == "mma16" or (name == "mma" and heads16())
     heads, lora = spec.num_heads, spec.kv_lora_rank
     o_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
     cluster = 1  # the tma kernel's CTAs per cluster (tma_cluster)
+    counts = None  # the tma kernel's fused combine counts (mla_decode_sm90.split_counts): its last split combines
     if name in ("mma_shared", "tma"):
         head_chunks = -(-heads // SHARED_HEADS)
     elif name in ("mma", "mma16"):
@@ -684,21 +799,31 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         elif mla_decode_sm90.tma_balance():
             splits = max(splits, mla_decode_sm90.BALANCE_MIN_SPLITS)
             balance_slots = max(1, blocks_per_sm * num_sms // head_chunks)
-        tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, pdl() and cluster == 1)
+        if cluster == 1 and 1 < splits <= mla_decode_sm90.FUSED_COMBINE_MAX_SPLITS and mla_decode_sm90.fused_combine():
+            counts = mla_decode_sm90.split_counts(num_tokens * head_chunks)
+        tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, pdl() and cluster == 1,
+                                                                    counts is not None, latent_write is not None)
     else:
         splits = num_splits(num_tokens, head_chunks, num_sms)
-    combined_on_chip = cluster > 1
+    combined_on_chip = cluster > 1 or counts is not None  # a cluster, or the last split to finish, combines
     partial_o = partial_ml = NULL
-    if splits > 1 and not combined_on_chip:
+    if splits > 1 and cluster == 1:
         partial_o = cupy.empty((num_tokens, heads, splits, lora), dtype=cupy.float32)
         partial_ml = cupy.empty((num_tokens, heads, splits, 2), dtype=cupy.float32)
-    args = (q_latent, q, np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), cache, batch.block_tables,
+    q_stride, q_pe_offset = (spec.qk_rope_dim, 0) if q_pe_only else (spec.qk_head_dim, spec.qk_nope_dim)
+    args = (q_latent, q, np.int32(q_stride), np.int32(q_pe_offset), cache, batch.block_tables,
             np.int32(batch.block_tables.shape[1]), np.int32(cache.shape[1]), batch.query_start, np.int32(batch.num_seqs),
             batch.positions, np.int32(heads), np.float32(spec.scale), o_latent, np.int32(splits), partial_o,
             partial_ml, NULL if token_rows is None else token_rows)
     if name == "tma":
+        write_args = (NULL, np.int32(0), NULL, np.float32(0), NULL, NULL, NULL, np.int32(0))
+        if latent_write is not None:
+            w = latent_write
+            write_args = (w.latent, np.int32(w.latent.strides[0] // 2), w.kv_a_norm, np.float32(w.eps),
+                          batch.slot_mapping, w.cos, w.sin, np.int32(q.strides[0] // 2))
         mla_decode_sm90.launch_tma_decode(tma_attention, tma_smem, (num_tokens, head_chunks, splits), args, cache,
-                                          balance_slots, after_previous=pdl() and cluster == 1)
+                                          balance_slots, after_previous=pdl() and cluster == 1, counts=counts,
+                                          write_args=write_args)
     elif name == "mma_shared":
         attention, smem = _shared_decode_kernel(spec, keys)
         launch(attention, (num_tokens, head_chunks, splits), (SHARED_THREADS,), args, smem, after_previous=pdl())

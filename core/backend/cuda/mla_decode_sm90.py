@@ -183,7 +183,9 @@ def tma_blocks_per_sm_of(spec: MLASpec) -> int:
 # PDL chain it needs, MLA_PDL + WRITE_ABSORB + EXPAND_SMALL, at 0.947x of the b16 step): the PDL build copies the first
 # tiles that lie wholly before the sequence's first new position of the step (rows earlier steps wrote) before its
 # griddepcontrol.wait (mla_decode_sm90.cu MLA_PDL_EARLY_TILES), so the key stream overlaps the kernel before it (the
-# latent write or W_UK). The same bits.
+# latent write or W_UK). The same bits. With the latent write folded in (core's $OPENINFER_MLA_FUSED_WRITE) every tile
+# of the ring goes before the wait (the step's own row is patched in shared memory): the whole first ring in flight
+# while W_UK runs.
 EARLY_TILES_ENV = "OPENINFER_MLA_PDL_EARLY_TILES"
 
 
@@ -195,16 +197,74 @@ def early_tiles() -> bool:
     return text == "1"
 
 
-def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False) -> tuple[object, int]:
+# Opt-in until a device A/B ($OPENINFER_MLA_TMA_FAST_SEARCH=1): the kernel finds its token's sequence with one round
+# of loads over query_start (each thread compares some entries, the block counts them) instead of a binary search's
+# log2(sequences) dependent loads, and sums the balance total in the same round and barrier (TMA_FAST_SEARCH). The
+# same splits, the same bits.
+FAST_SEARCH_ENV = "OPENINFER_MLA_TMA_FAST_SEARCH"
+DEFAULT_FAST_SEARCH = False
+# Opt-in until a device A/B ($OPENINFER_MLA_TMA_FUSED_COMBINE=1): the context splits of a (token, head block) are
+# combined by the last of its CTAs to finish (a count per (token, head block) in ``split_counts``, reset to 0 by that
+# CTA; the partials read back through L2), not by a combine launch after the kernel (TMA_FUSED_COMBINE), in launches
+# of at most FUSED_COMBINE_MAX_SPLITS splits. The same
+# weights and sums as mla_combine_splits_flat / _wide: the same bits. Moonlight b16 (s12 D1, CUPTI): the combine
+# launch took 3.6 us a layer after the 16.6 us attention.
+FUSED_COMBINE_ENV = "OPENINFER_MLA_TMA_FUSED_COMBINE"
+DEFAULT_FUSED_COMBINE = False
+SPLIT_COUNTS = 1 << 16  # (token, head block) slots of the fused combine's counts; more: the combine launch runs
+# The most splits the fused combine takes (mla_decode_sm90.cu FUSED_COMBINE_MAX_SPLITS caps the kernel's registers at
+# 8): one SM reads every split's partials of its 16 heads, 32 KB a split, about one L2 round trip per 32 KB: only few
+# splits pay. Early D1 (H200, s13, its first form: one thread's serial (max, sum) loads per output): Moonlight b16 step
+# 0.836x, Kimi b1 attention 9.6 -> 190.8 us. More splits than this: the combine launch runs.
+FUSED_COMBINE_MAX_SPLITS = 4
+_split_counts: dict[int, cupy.ndarray] = {}
+
+
+def _switch(env: str, default: bool) -> bool:
+    text = os.environ.get(env) or str(int(default))
+    if text not in ("0", "1"):
+        raise ValueError(f"{env} is 0 or 1; got {text!r}")
+    return text == "1"
+
+
+def fast_search() -> bool:
+    """$OPENINFER_MLA_TMA_FAST_SEARCH (0 / 1; unset: DEFAULT_FAST_SEARCH; another value: a clear error)."""
+    return _switch(FAST_SEARCH_ENV, DEFAULT_FAST_SEARCH)
+
+
+def fused_combine() -> bool:
+    """$OPENINFER_MLA_TMA_FUSED_COMBINE (0 / 1; unset: DEFAULT_FUSED_COMBINE; another value: a clear error)."""
+    return _switch(FUSED_COMBINE_ENV, DEFAULT_FUSED_COMBINE)
+
+
+def split_counts(slots: int) -> cupy.ndarray | None:
+    """This device's zeroed counts of the fused combine (made once, SPLIT_COUNTS slots, outside any graph capture:
+    the first eager step makes it); None where ``slots`` is more than it holds, or it does not exist yet and the
+    stream is capturing (the combine launch runs then)."""
+    device = cupy.cuda.Device().id
+    counts = _split_counts.get(device)
+    if counts is None:
+        if cupy.cuda.get_current_stream().is_capturing():
+            return None
+        counts = _split_counts[device] = cupy.zeros(SPLIT_COUNTS, dtype=cupy.int32)
+    return counts if slots <= SPLIT_COUNTS else None
+
+
+def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False, fused: bool = False,
+                      write: bool = False) -> tuple[object, int]:
     """The compiled kernel for the current tile choice and ``cluster`` (tma_cluster), and its shared memory;
     ``pdl``: built with MLA_PDL (core's $OPENINFER_MLA_PDL, programmatic dependent launch), and with
-    MLA_PDL_EARLY_TILES where ``early_tiles``."""
+    MLA_PDL_EARLY_TILES where ``early_tiles``; ``fused``: with TMA_FUSED_COMBINE (the last split combines);
+    ``write``: with TMA_FUSED_WRITE (the latent write and q's rope folded in: core's $OPENINFER_MLA_FUSED_WRITE)."""
     keys, stages = tma_tile()
     one_barrier = tma_one_barrier()
     smem = tma_decode_smem(spec, keys, stages, one_barrier)
     attention = arch_kernel("mla_decode_sm90.cu", "mla_attention_tma", "sm_90a", smem, KV_LORA=spec.kv_lora_rank,
                             ROPE_DIM=spec.qk_rope_dim, TMA_KEYS=keys, TMA_STAGES=stages, TMA_CLUSTER=cluster,
                             TMA_ONE_BARRIER=int(one_barrier), TMA_ROW_BOXES=int(tma_row_boxes()),
+                            **({"TMA_FAST_SEARCH": 1} if fast_search() else {}),
+                            **({"TMA_FUSED_COMBINE": 1} if fused else {}),
+                            **({"TMA_FUSED_WRITE": 1} if write else {}),
                             **({"MLA_PDL": 1, **({"MLA_PDL_EARLY_TILES": 1} if early_tiles() else {})} if pdl else {}))
     ptr = getattr(attention, "ptr", None)  # None: a discover_kernels stand-in
     if cluster > 8 and ptr is not None and ptr not in _non_portable_allowed:
@@ -214,9 +274,16 @@ def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False) -> tup
 
 
 def launch_tma_decode(attention, smem: int, grid: tuple[int, int, int], args: tuple, cache: cupy.ndarray,
-                      balance_slots: int = 0, after_previous: bool = False) -> None:
+                      balance_slots: int = 0, after_previous: bool = False,
+                      counts: cupy.ndarray | None = None, write_args: tuple = ()) -> None:
     """``mla_attention_tma`` over ``grid`` with mla_attention_mma_shared's ``args``, ``balance_slots`` (0: each
     token's context split evenly over grid z) and the cache's map; ``after_previous``: a programmatic dependent
-    launch (a kernel built with MLA_PDL)."""
-    launch(attention, grid, (TMA_THREADS,), (*args, np.int32(balance_slots), cache_map(cache, tma_row_boxes())),
+    launch (a kernel built with MLA_PDL); ``counts``: the fused combine's ``split_counts`` (a kernel built with it);
+    ``write_args``: the folded latent write's (kv_a, its row stride, norm, eps, slots, cos, sin, q's row stride),
+    null / zero where the kernel does not write."""
+    if not write_args:
+        write_args = (np.uint64(0), np.int32(0), np.uint64(0), np.float32(0), np.uint64(0), np.uint64(0),
+                      np.uint64(0), np.int32(0))
+    launch(attention, grid, (TMA_THREADS,), (*args, np.int32(balance_slots), np.uint64(0) if counts is None else counts,
+                                             *write_args, cache_map(cache, tma_row_boxes())),
            smem, after_previous=after_previous)

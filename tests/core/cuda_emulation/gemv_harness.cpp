@@ -1,4 +1,4 @@
-// Runs core's gemv.cu fused decode GEMVs (gemv_m1_add_rms_norm, gemv_m1_silu_mul) on the CPU
+// Runs core's gemv.cu fused decode GEMVs (gemv_m1_add_rms_norm, gemv_m1_silu_mul) and gemv_m1_pipelined on the CPU
 // (tests/helpers/cuda_host) at several grid sizes (each block builds its input row once, then loops
 // over column tiles), next to the unfused kernels they replace (rms_norm.cu add_rms_norm /
 // rms_norm and elementwise.cu silu_mul, then gemv_m1), for tests/core/test_gemv_kernels_emulated.py.
@@ -33,6 +33,9 @@ int main(int argc, char** argv) {
     launch(1, 1, 1, 64, [&] { silu_mul(gate_up.data(), act.data(), 1, K); });
     launch(tiles, 1, 1, threads, [&] { gemv_m1(act.data(), w.data(), nullptr, y_silu.data(), 1, N, K); });
     save(dir, "unfused_norm.bin", y_norm);
+    std::vector<bf16> y_pipelined(N);  // gemv_m1_pipelined over the same row: gemv_m1's bits
+    launch(tiles, 1, 1, threads, [&] { gemv_m1_pipelined(h.data(), w.data(), nullptr, y_pipelined.data(), 1, N, K); });
+    save(dir, "pipelined_norm.bin", y_pipelined);
     save(dir, "unfused_residual.bin", with_residual ? residual_sum : x);
     save(dir, "unfused_silu.bin", y_silu);
 

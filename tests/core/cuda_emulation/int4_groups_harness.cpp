@@ -3,6 +3,8 @@
 // (token rows gathered per expert tile) and dense (expert 0, all T rows), for
 // tests/core/test_int4_groups_emulated.py. params: T E top_k N K; ids [T, top_k] route the tokens.
 #define MMA_HOST_STANDIN  // mma.cuh: no PTX; harness.h defines mma_bf16_16816
+// GROUPS_XSMEM's dynamic shared memory: a static buffer (blocks run one after another)
+#define GROUPS_DYNAMIC_SHARED(name) static __attribute__((aligned(16))) unsigned char name[64 * 1024]
 #include "moe.cu"
 #include "moe_int4.cu"
 

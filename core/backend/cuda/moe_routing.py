@@ -1,0 +1,406 @@
+"""MoE routing on the GPU: router logits, scores and top-k, and the grouping of a step's slots by expert
+(``ExpertGroupingDevice``: offsets, sorted slots, the GEMM tile list), kernels in ``kernels/moe_routing.cu``
+and ``kernels/moe.cu``. ``moe.py`` runs the experts on a grouping and re-exports these names.
+
+Decode steps (a few tokens) are latency-bound: each routing kernel is a few microseconds of one small grid
+on the critical path between the attention and the expert GEMVs, so the choices below are about launches and
+waits, not bytes. Prefill-sized steps take the tensor-core router and the multi-block grouping.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import cupy
+import numpy as np
+
+from openinfer.backend.cuda.linear import launch_decode
+from openinfer.backend.cuda.loader import kernel
+from openinfer.moe import RouterSpec
+
+if TYPE_CHECKING:
+    from openinfer.backend.cuda.moe import DeviceMoE
+
+ROUTER_WARPS = 8  # moe.cu
+# On by default (H200, window D3 of 2026-11-23, one Kimi-K2 layer at 1k context, per-op device time):
+# moe_sort_parallel (counts in shared memory, one block-wide scan; moe_sort's thread 0 walks every
+# expert through global memory): grouping 32.7 -> 5.6 / 46.0 -> 5.9 / 52.2 -> 7.9 us at batch 1 / 64 /
+# 256; moe_combine over a block per 256 columns: 41.5 -> 3.9 / 44.6 -> 7.8 / 46.1 -> 19.1 us; layer step
+# at batch 1 379 -> 322 us. OPENINFER_MOE_FAST_ROUTING=0: the single-block kernels. (moe_router_logits
+# with 7 gate loads per lane in flight ran with them in that window: no gain at batch 1, route 45 -> 113 /
+# 136 -> 351 us at 64 / 256, so that variant was removed: one load per lane.)
+FAST_ROUTING_ENV = "OPENINFER_MOE_FAST_ROUTING"
+# Prefill-sized steps (moe_routing.cu). On by default since E1 (H200, 2026-11-24; OPENINFER_MOE_ROUTER_MMA=0
+# reverts): the router logits of at least ROUTER_MMA_MIN_TOKENS tokens on tensor cores (64 x 64 tiles,
+# x read once; moe_router_logits re-reads a token's row per 8 experts) and moe_route in blocks of a
+# thread per expert (``select_experts``' narrow). Moonlight's router (64 x 2048): logits 230.8 -> 46.0 /
+# 121.6 -> 37.0 / 29.7 -> 23.4 us at 8192 / 4096 / 1024 tokens (behind at 256: 23.6 vs 9.6); top-k
+# 59.7 -> 48.9 / 39.6 -> 34.6 / 6.8 -> 7.0 us. Default since E2 (=0 reverts): OPENINFER_MOE_GROUP_BLOCKS groups at least
+# GROUP_BLOCKS_MIN_SLOTS slots with one block per expert and no atomics (moe_expert_counts +
+# moe_place_slots, 8 slots per thread and pass): E2 (H200) 45.6 vs moe_sort_parallel's 71.9 us at 8192
+# tokens x top-6, 41.9 vs 54.6 at 4096, 7.8 vs 10.6 at 1024 (behind at 256: 7.5 vs 6.8).
+ROUTER_MMA_ENV, ROUTER_MMA_MIN_TOKENS, ROUTER_STAGES = "OPENINFER_MOE_ROUTER_MMA", 1024, 4
+GROUP_BLOCKS_ENV, GROUP_BLOCKS_MIN_SLOTS = "OPENINFER_MOE_GROUP_BLOCKS", 4096
+ROUTER_TILE, GROUP_THREADS = 64, 1024  # moe_routing.cu
+# Opt-in until measured (moe_routing.cu): OPENINFER_MOE_ROUTE_WARPS=1 runs the scores and top-k of routers
+# without expert groups (n_group 1) as moe_route_warps, a warp per token with the row in registers, wherever
+# the logits come from router_logits (moe_route: a block per token; 49 us at 8192 tokens x 64 experts in
+# narrow blocks, E2 of 2026-11-24). OPENINFER_MOE_GROUP_CHUNKS=1 groups steps of at least
+# GROUP_BLOCKS_MIN_SLOTS slots by moe_chunk_counts / moe_chunk_scan / moe_chunk_place (chunks of the slots,
+# the same stable layout as the per-expert blocks, whose E blocks each read every id twice: 45.6 us at 8192
+# tokens x top-6).
+ROUTE_WARPS_ENV, ROUTE_WARPS = "OPENINFER_MOE_ROUTE_WARPS", 8  # moe_routing.cu ROUTE_WARPS: tokens per block
+# OPENINFER_MOE_ROUTE_SORT runs a decode step's top-k and grouping (routers without
+# expert groups, no hash routing, at most ROUTE_SORT_MAX_TOKENS tokens) as one block, moe_routing.cu's
+# moe_route_sort (moe_route_warps' picks, then moe_sort_parallel's layout from shared memory): one launch and
+# the num_tiles memset fewer than moe_route + moe_sort_parallel. No cross-block state (the deleted one-launch
+# moe_decode.cu counted arriving blocks in global memory).
+# Unset: on for steps of at most ROUTE_SORT_DEFAULT_MAX_TOKENS tokens (D2 of 2026-11-24, H200,
+# results/moe_block_moe13c_d2.json / kimi_layer_moe13c_d2.json: Moonlight's MoE block at 1 token 57.6 -> 54.8 us
+# with the shared experts fused (58.7 -> 55.4 without), the Kimi-K2 layer at batch 1 231.9 -> 229.2 us; behind at
+# 16 tokens, 254.4 vs 256.8, and far behind at 64, 306.2 vs 331.8: its 16 warps route 4 tokens each in turn);
+# =1 up to ROUTE_SORT_MAX_TOKENS, =0 never.
+ROUTE_SORT_ENV, ROUTE_SORT_MAX_TOKENS, ROUTE_SORT_DEFAULT_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT", 64, 1
+ROUTE_SORT_THREADS, ROUTE_SORT_MAX_SLOTS = 512, 2048  # moe_routing.cu ROUTE_SORT_WARPS x 32, ROUTE_SORT_MAX_SLOTS
+# Decode steps of at most ROUTER_BLOCKS_MAX_TOKENS tokens (moe_routing.cu): OPENINFER_MOE_ROUTER_BLOCKS=1 computes
+# the router logits with a block per expert (moe_router_logits_blocks: the block's ROUTE_SORT_THREADS threads split
+# the hidden row, ~2 16-byte loads each at Kimi-K2's 7168), where moe_router_logits has a warp per token and expert
+# walk the whole row (Kimi-K2 at one token: 48 blocks, 28 serial loads a lane; 9.2 us for 5.5 MB, s11 D3).
+# OPENINFER_MOE_ROUTER_FUSED=1: ``route_and_group`` in one launch, moe_router_route_sort (those logits, then the
+# last block to finish runs moe_route_sort's body), its ticket counter zeroed per call (a memset node in a graph:
+# no state shared across streams or graphs; the deleted moe_decode.cu kept one counter per device).
+# Opt-in until measured on the device.
+ROUTER_BLOCKS_ENV, ROUTER_FUSED_ENV = "OPENINFER_MOE_ROUTER_BLOCKS", "OPENINFER_MOE_ROUTER_FUSED"
+ROUTER_BLOCKS_MAX_TOKENS = 4  # moe_routing.cu ROUTER_BLOCKS_MAX_TOKENS
+DEFAULT_ROUTER_BLOCKS, DEFAULT_ROUTER_FUSED = False, False
+# OPENINFER_MOE_ROUTE_SORT_WARP=1 (opt-in, unmeasured): moe_route_sort at 1-2 tokens as one warp (each lane a run of
+# experts in the grouping's scan) instead of a block of ROUTE_SORT_THREADS: ~3K registers instead of ~46K, so it
+# can start beside the shared experts' GEMV blocks (s12 D2 timeline at b1: the 512-thread block waited ~6 us for
+# an SM with room, then ran 15-19 us; alone 14 us). The same ids, weights and layout.
+ROUTE_SORT_WARP_ENV, ROUTE_SORT_WARP_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT_WARP", 2
+GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
+CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
+GROUPING_METHODS = ("single", "blocks", "chunks")
+SORT_THREADS = 1024  # moe.cu SORT_MAX_THREADS
+SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+MAX_TOPK = 16
+MAX_EXPERTS = 512  # moe_route keeps one layer's scores in shared memory
+NULL = np.uint64(0)
+GROUP_TILE_ROWS = 64  # moe_routing.cu GROUP_TILE_ROWS = moe.cu BM: rows of one expert per GEMM tile
+
+
+@dataclass
+class ExpertGroupingDevice:
+    """A step's routing, on the device (see moe.cu): slots grouped by expert, GEMM tiles."""
+
+    ids: cupy.ndarray  # [T, k] int32
+    weights: cupy.ndarray  # [T, k] fp32
+    sorted_slots: cupy.ndarray  # [T·k]
+    slot_pos: cupy.ndarray  # [T·k]
+    offsets: cupy.ndarray  # [E+1]
+    tile_expert: cupy.ndarray
+    tile_row: cupy.ndarray
+    num_tiles: cupy.ndarray  # [1]
+    max_tiles: int
+    top_k: int
+
+
+def max_tiles(num_slots: int, num_experts: int) -> int:
+    """Upper bound of GEMM tiles: each active expert wastes at most one partial tile."""
+    return -(-num_slots // GROUP_TILE_ROWS) + min(num_experts, num_slots)
+
+
+def fast_routing() -> bool:
+    """Whether grouping and combine take moe_sort_parallel and the multi-block moe_combine (default;
+    $OPENINFER_MOE_FAST_ROUTING=0: the single-block kernels)."""
+    return os.environ.get(FAST_ROUTING_ENV, "1") not in ("0", "false", "off")
+
+
+def _switch(env: str, default: bool = False) -> bool:
+    value = os.environ.get(env, "1" if default else "0").lower()
+    if value not in ("0", "1", "false", "true", "off", "on", ""):
+        raise ValueError(f"{env} must be 1 or 0 (on / off), got {value!r}")
+    return value in ("1", "true", "on")
+
+
+def router_mma_wanted(num_tokens: int) -> bool:
+    """Whether ``router_logits`` takes moe_router_logits_mma: $OPENINFER_MOE_ROUTER_MMA (default on)
+    and at least ROUTER_MMA_MIN_TOKENS tokens."""
+    return num_tokens >= ROUTER_MMA_MIN_TOKENS and _switch(ROUTER_MMA_ENV, default=True)
+
+
+def route_warps_wanted(spec: RouterSpec) -> bool:
+    """Whether ``select_experts`` takes moe_route_warps on router_logits' output: $OPENINFER_MOE_ROUTE_WARPS
+    (default off) and a router without expert groups."""
+    return _switch(ROUTE_WARPS_ENV) and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups)
+
+
+def grouping_method(num_slots: int, per_expert_blocks: bool | None = None) -> str:
+    """How ``group_by_expert`` groups ``num_slots`` slots (GROUPING_METHODS): ``per_expert_blocks`` True /
+    False picks "blocks" / "single"; else from GROUP_BLOCKS_MIN_SLOTS slots "chunks" with
+    $OPENINFER_MOE_GROUP_CHUNKS, "blocks" with $OPENINFER_MOE_GROUP_BLOCKS (default), below "single"."""
+    if per_expert_blocks is not None:
+        return "blocks" if per_expert_blocks else "single"
+    if num_slots >= GROUP_BLOCKS_MIN_SLOTS and _switch(GROUP_CHUNKS_ENV):
+        return "chunks"
+    return "blocks" if group_blocks_wanted(num_slots) else "single"
+
+
+def group_blocks_wanted(num_slots: int) -> bool:
+    """Whether ``group_by_expert`` takes moe_expert_counts + moe_place_slots: $OPENINFER_MOE_GROUP_BLOCKS
+    (default on) and at least GROUP_BLOCKS_MIN_SLOTS slots."""
+    return num_slots >= GROUP_BLOCKS_MIN_SLOTS and _switch(GROUP_BLOCKS_ENV, default=True)
+
+
+def route_sort_wanted(num_tokens: int, spec: RouterSpec, tid2eid: cupy.ndarray | None = None,
+                      shared_experts: int = 0) -> bool:
+    """Whether ``route_and_group`` runs (moe_route_sort): 1 to ROUTE_SORT_MAX_TOKENS tokens with
+    $OPENINFER_MOE_ROUTE_SORT=1, to ROUTE_SORT_DEFAULT_MAX_TOKENS unset, never with =0; a router without expert
+    groups, no hash routing, the slots and experts within the kernel's shared arrays."""
+    unset = os.environ.get(ROUTE_SORT_ENV, "") == ""
+    most = ROUTE_SORT_DEFAULT_MAX_TOKENS if unset else ROUTE_SORT_MAX_TOKENS if _switch(ROUTE_SORT_ENV) else 0
+    return (0 < num_tokens <= most and tid2eid is None
+            and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups)
+            and num_tokens * (spec.top_k + shared_experts) <= ROUTE_SORT_MAX_SLOTS
+            and spec.num_experts + shared_experts <= ROUTE_SORT_THREADS and spec.top_k + shared_experts <= 32)
+
+
+def router_blocks_wanted(num_tokens: int) -> bool:
+    """Whether ``router_logits`` takes moe_router_logits_blocks (see ROUTER_BLOCKS_ENV)."""
+    return 0 < num_tokens <= ROUTER_BLOCKS_MAX_TOKENS and _switch(ROUTER_BLOCKS_ENV, default=DEFAULT_ROUTER_BLOCKS)
+
+
+def router_fused_wanted(x: cupy.ndarray, gate: cupy.ndarray) -> bool:
+    """Whether ``route_and_group`` runs as one launch, moe_router_route_sort (see ROUTER_BLOCKS_ENV): the switch,
+    at most ROUTER_BLOCKS_MAX_TOKENS tokens, rows the 16-byte loads can take."""
+    return (0 < int(x.shape[0]) <= ROUTER_BLOCKS_MAX_TOKENS and _switch(ROUTER_FUSED_ENV, default=DEFAULT_ROUTER_FUSED)
+            and int(x.shape[1]) % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0)
+
+
+def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice | None:
+    """``group_by_expert(*route(x, ...))`` of ``layer`` in two launches: router_logits, then moe_route_sort
+    (the same ids and weights as moe_route_warps, moe_sort_parallel's offsets and tile list; each expert's
+    slots in the order atomics hand out, as there). None where the logits kernel does not run (unaligned
+    rows): the caller routes the usual way. The caller checks ``route_sort_wanted``."""
+    spec, shared = layer.router, layer.shared_experts
+    check_router(spec, shared)
+    fused = router_fused_wanted(x, layer.gate) and layer.tid2eid is None
+    logits = (cupy.empty((int(x.shape[0]), spec.num_experts), cupy.float32) if fused
+              else router_logits(x, layer.gate, spec, layer.tid2eid))
+    if logits is None:
+        return None
+    num_tokens, width = int(x.shape[0]), spec.top_k + shared
+    num_slots, num_experts = num_tokens * width, spec.num_experts + shared
+    tiles = max_tiles(num_slots, num_experts)
+    grouping = ExpertGroupingDevice(
+        cupy.empty((num_tokens, width), cupy.int32), cupy.empty((num_tokens, width), cupy.float32),
+        cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32), cupy.empty(num_experts + 1, cupy.int32),
+        cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(1, cupy.int32),
+        tiles, width)
+    defines = {"ROUTE_SHARED_EXPERTS": shared} if shared else {}
+    bias = NULL if layer.correction_bias is None else layer.correction_bias
+    if fused:  # logits, top-k and grouping in one launch; its ticket counter zeroed here
+        launch_decode("moe_routing.cu", "moe_router_route_sort", (spec.num_experts,), (ROUTE_SORT_THREADS,), (
+            x, layer.gate, np.int32(num_tokens), np.int32(x.shape[1]), logits, cupy.zeros(1, cupy.uint32), bias,
+            np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
+            np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights,
+            grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
+            grouping.num_tiles, np.int32(tiles)), **defines)
+        return grouping
+    one_warp = num_tokens <= ROUTE_SORT_WARP_MAX_TOKENS and _switch(ROUTE_SORT_WARP_ENV)
+    launch_decode("moe_routing.cu", "moe_route_sort", (1,), (32 if one_warp else ROUTE_SORT_THREADS,), (
+        logits, NULL if layer.correction_bias is None else layer.correction_bias, np.int32(num_tokens),
+        np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
+        np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights,
+        grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
+        grouping.num_tiles, np.int32(tiles)), **defines)
+    return grouping
+
+
+def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,
+          token_ids: cupy.ndarray | None = None, tid2eid: cupy.ndarray | None = None, shared_experts: int = 0
+          ) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """``moe_route``: fp32 logits from bf16 ``x [T, H]`` and ``gate [E, H]``, scores, group-limited
+    top-k (or ``tid2eid`` hash routing). Returns ids ``[T, k]`` int32 and weights ``[T, k]`` fp32;
+    with ``shared_experts`` S, ``[T, k + S]``: each row's last S entries experts E .. E+S-1, weight 1."""
+    check_router(spec, shared_experts)
+    return select_experts(x, gate, spec, correction_bias, router_logits(x, gate, spec, tid2eid), token_ids, tid2eid,
+                          shared_experts=shared_experts)
+
+
+def check_router(spec: RouterSpec, shared_experts: int = 0) -> None:
+    if (spec.top_k + shared_experts > MAX_TOPK or spec.num_groups > 64
+            or spec.num_experts + shared_experts > MAX_EXPERTS or shared_experts < 0):
+        raise ValueError(f"cuda routing supports top_k (+ fused shared experts) <= {MAX_TOPK}, n_group <= 64 and at "
+                         f"most {MAX_EXPERTS} experts; got top_k={spec.top_k}, {shared_experts} fused shared experts, "
+                         f"n_group={spec.num_groups}, {spec.num_experts} experts")
+
+
+def router_logits(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
+                  tid2eid: cupy.ndarray | None = None, mma: bool | None = None) -> cupy.ndarray | None:
+    """``moe_router_logits``: the [E, H] router product spread over blocks (a decode step has few
+    tokens), fp32 ``[T, E]``; None where ``select_experts``' one block per token computes it
+    (unaligned rows, hash routing, no tokens). ``mma`` (default ``router_mma_wanted``): the
+    tensor-core tiles of moe_routing.cu instead."""
+    num_tokens, hidden = x.shape
+    if not num_tokens or hidden % 8 or x.data.ptr % 16 or gate.data.ptr % 16 or tid2eid is not None:
+        return None
+    logits = cupy.empty((num_tokens, spec.num_experts), dtype=cupy.float32)
+    if router_mma_wanted(num_tokens) if mma is None else mma:
+        shared = ROUTER_STAGES * 2 * ROUTER_TILE * (ROUTER_TILE + 8) * 2
+        fn = kernel("moe_routing.cu", "moe_router_logits_mma", ROUTER_STAGES=ROUTER_STAGES)
+        if fn.max_dynamic_shared_size_bytes < shared:
+            fn.max_dynamic_shared_size_bytes = shared
+        fn((-(-num_tokens // ROUTER_TILE), -(-spec.num_experts // ROUTER_TILE)), (128,),
+           (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits), shared_mem=shared)
+        return logits
+    if mma is None and router_blocks_wanted(num_tokens):  # a block per expert (see ROUTER_BLOCKS_ENV)
+        # blocks of moe_router_route_sort's size: the same sums, so both give the same logits (and routes)
+        launch_decode("moe_routing.cu", "moe_router_logits_blocks", (spec.num_experts,), (ROUTE_SORT_THREADS,),
+                      (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits))
+        return logits
+    kernel("moe.cu", "moe_router_logits")(
+        (num_tokens, -(-spec.num_experts // ROUTER_WARPS)), (ROUTER_WARPS * 32,),
+        (x, gate, np.int32(hidden), np.int32(spec.num_experts), logits))
+    return logits
+
+
+def select_experts(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,
+                   logits: cupy.ndarray | None, token_ids: cupy.ndarray | None = None,
+                   tid2eid: cupy.ndarray | None = None, narrow: bool | None = None,
+                   shared_experts: int = 0) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """``moe_route`` on ``router_logits``' output (None: it computes the logits itself): scores,
+    group-limited top-k, weights (``route``'s second half). ``narrow`` (default: with ``logits``, where
+    ``router_mma_wanted``): blocks of one thread per expert (at least 64: a thread per expert group)
+    instead of 256, as the block only reads the logits. ``shared_experts``: see ``route``."""
+    num_tokens, hidden = x.shape
+    check_router(spec, shared_experts)
+    width = spec.top_k + shared_experts
+    ids = cupy.empty((num_tokens, width), dtype=cupy.int32)
+    weights = cupy.empty((num_tokens, width), dtype=cupy.float32)
+    if narrow is None:
+        narrow = logits is not None and router_mma_wanted(num_tokens)
+    defines = {"ROUTE_SHARED_EXPERTS": shared_experts} if shared_experts else {}
+    if num_tokens and logits is not None and tid2eid is None and route_warps_wanted(spec):
+        kernel("moe_routing.cu", "moe_route_warps", **defines)((-(-num_tokens // ROUTE_WARPS),), (ROUTE_WARPS * 32,), (
+            logits, NULL if correction_bias is None else correction_bias, np.int32(num_tokens),
+            np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
+            np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), ids, weights))
+        return ids, weights
+    threads = max(64, min(256, -(-spec.num_experts // 32) * 32)) if narrow and logits is not None else 256
+    if num_tokens:
+        kernel("moe.cu", "moe_route", **defines)(
+            (num_tokens,), (threads,),
+            (x, gate, NULL if logits is None else logits, NULL if correction_bias is None else correction_bias,
+             np.int32(hidden), np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
+             np.int32(spec.num_groups), np.int32(spec.topk_groups), np.int32(spec.group_score == "max"),
+             np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor),
+             NULL if token_ids is None else token_ids, NULL if tid2eid is None else tid2eid, ids, weights))
+    return ids, weights
+
+
+def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int,
+                    per_expert_blocks: bool | None = None, method: str | None = None) -> ExpertGroupingDevice:
+    """Slots grouped by expert and the GEMM tile list (``ExpertGroupingDevice``): moe_sort_parallel
+    (one block, "single"), moe_routing.cu's block per expert ("blocks") or its chunk kernels ("chunks";
+    both: slots of an expert in slot order). ``method`` (GROUPING_METHODS) forces one, else
+    ``grouping_method``."""
+    num_slots = int(ids.size)
+    tiles = max_tiles(num_slots, num_experts)
+    grouping = ExpertGroupingDevice(
+        ids, weights, cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32),
+        cupy.empty(num_experts + 1, cupy.int32), cupy.empty(max(tiles, 1), cupy.int32),
+        cupy.empty(max(tiles, 1), cupy.int32),
+        # every grouping kernel below writes num_tiles: a zeroed one (a memset node in a decode graph, each layer)
+        # only where none runs
+        cupy.empty(1, cupy.int32) if num_slots else cupy.zeros(1, cupy.int32), tiles, int(ids.shape[1]))
+    layout = (grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
+              grouping.num_tiles, np.int32(tiles))
+    method = method or grouping_method(num_slots, per_expert_blocks)
+    if method not in GROUPING_METHODS:
+        raise ValueError(f"unknown grouping method {method!r}; one of {', '.join(GROUPING_METHODS)}")
+    if method == "chunks" and num_slots:
+        if num_experts > MAX_EXPERTS:
+            raise ValueError(f"moe_chunk_counts keeps at most {MAX_EXPERTS} experts' counts, got {num_experts}")
+        # chunks of at least CHUNK_SLOTS slots, few enough that chunks x experts fit moe_chunk_scan's shared memory
+        max_chunks = CHUNK_SCAN_ENTRIES // num_experts
+        chunk = max(CHUNK_SLOTS, -(-num_slots // max_chunks))
+        chunks = -(-num_slots // chunk)
+        chunk_base = cupy.empty((chunks, num_experts), dtype=cupy.int32)
+        kernel("moe_routing.cu", "moe_chunk_counts")((chunks,), (CHUNK_THREADS,), (
+            ids, np.int32(num_slots), np.int32(num_experts), np.int32(chunk), chunk_base))
+        kernel("moe_routing.cu", "moe_chunk_scan")((1,), (GROUP_THREADS,), (
+            chunk_base, np.int32(chunks), np.int32(num_experts), grouping.offsets, grouping.tile_expert,
+            grouping.tile_row, grouping.num_tiles, np.int32(tiles)))
+        kernel("moe_routing.cu", "moe_chunk_place")((chunks,), (CHUNK_THREADS,), (
+            ids, np.int32(num_slots), np.int32(num_experts), np.int32(chunk), chunk_base, grouping.sorted_slots,
+            grouping.slot_pos))
+    elif method == "blocks" and num_slots:
+        if num_experts > MAX_EXPERTS:
+            raise ValueError(f"moe_place_slots scans at most {MAX_EXPERTS} experts' counts, got {num_experts}")
+        counts = cupy.empty(num_experts, dtype=cupy.int32)
+        kernel("moe_routing.cu", "moe_expert_counts")((num_experts,), (GROUP_THREADS,), (ids, np.int32(num_slots),
+                                                                                       counts))
+        kernel("moe_routing.cu", "moe_place_slots")((num_experts,), (GROUP_THREADS,), (
+            ids, np.int32(num_slots), np.int32(num_experts), counts, *layout))
+    elif fast_routing():
+        if num_experts > MAX_EXPERTS:
+            raise ValueError(f"moe_sort_parallel keeps at most {MAX_EXPERTS} experts' counts, got {num_experts}")
+        kernel("moe.cu", "moe_sort_parallel")((1,), (SORT_THREADS,), (ids, np.int32(num_slots),
+                                                                      np.int32(num_experts), *layout))
+    else:
+        counts = cupy.empty(num_experts, dtype=cupy.int32)
+        kernel("moe.cu", "moe_sort")((1,), (1024,), (ids, np.int32(num_slots), np.int32(num_experts), counts,
+                                                     *layout))
+    return grouping
+
+
+# OPENINFER_MOE_ROUTE_NORM (opt-in until measured; =1 on): a decode step's MoE block starts with the post-attention
+# add_rms_norm, the router logits and the top-k in one launch (moe_routing.cu moe_add_rms_norm_route, a block per
+# token) where they take three (add_rms_norm, moe_router_logits, moe_route): ``moe_block``. The same bits (each
+# part's arithmetic; moe_route_warps' ids and weights, equal to moe_route's). Steps of 1..ROUTE_NORM_MAX_TOKENS tokens,
+# routers without expert groups or hash routing, the layer's shared experts fused (or none). Not faster in CUDA graphs,
+# so off: with COMBINE_NORM and GATHER_Q (H200, s11 D2) b1 / b16 / b64 2.811 / 8.067 / 9.886 ms vs 2.757 / 8.035 /
+# 9.857 with all three off (the block per token computes its 64 router logits with 32 warps, where
+# moe_router_logits spreads them over 8 blocks a token).
+ROUTE_NORM_ENV = "OPENINFER_MOE_ROUTE_NORM"
+ROUTE_NORM_MAX_TOKENS = 128
+ROUTE_NORM_MAX_EXPERTS = 512  # moe_routing.cu GROUP_MAX_EXPERTS (the logits row in shared memory)
+DEFAULT_ROUTE_NORM = False
+
+
+def route_norm_wanted(x: cupy.ndarray, layer: DeviceMoE) -> bool:
+    """Whether ``moe_block`` fuses the norm and the routing for ``x`` [T, H]: $OPENINFER_MOE_ROUTE_NORM (1 / 0, unset:
+    DEFAULT_ROUTE_NORM; another value: a clear error) and the kernel's needs (see ROUTE_NORM_ENV)."""
+    spec, tokens, hidden = layer.router, int(x.shape[0]), int(x.shape[1])
+    return (_switch(ROUTE_NORM_ENV, default=DEFAULT_ROUTE_NORM) and 0 < tokens <= ROUTE_NORM_MAX_TOKENS and layer.tid2eid is None
+            and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups) and hidden % 8 == 0
+            and layer.gate.data.ptr % 16 == 0 and spec.num_experts <= ROUTE_NORM_MAX_EXPERTS
+            and spec.top_k + layer.shared_experts <= 32)
+
+
+def add_rms_norm_route(x: cupy.ndarray, residual: cupy.ndarray, norm_weight: cupy.ndarray, eps: float,
+                       layer: DeviceMoE) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray, cupy.ndarray]:
+    """``h, residual_out = add_rms_norm(x, residual, norm_weight, eps)`` and ``route(h, ...)``'s ids and weights
+    (``[T, k + S]``) in one launch (moe_add_rms_norm_route); the caller checks ``route_norm_wanted``."""
+    spec, shared = layer.router, layer.shared_experts
+    check_router(spec, shared)
+    x, residual = cupy.ascontiguousarray(x), cupy.ascontiguousarray(residual)
+    if x.shape != residual.shape or x.dtype != cupy.uint16 or residual.dtype != cupy.uint16:
+        raise ValueError(f"add_rms_norm_route wants bf16 x and residual of one shape; got {x.dtype} {tuple(x.shape)} "
+                         f"and {residual.dtype} {tuple(residual.shape)}")
+    tokens, hidden = int(x.shape[0]), int(x.shape[1])
+    out, residual_out = cupy.empty_like(x), cupy.empty_like(x)
+    width = spec.top_k + shared
+    ids, weights = cupy.empty((tokens, width), cupy.int32), cupy.empty((tokens, width), cupy.float32)
+    if tokens:
+        threads = min(1024, max(32, -(-hidden // 64) * 32))  # the block add_rms_norm's (its sum order)
+        defines = {"ROUTE_SHARED_EXPERTS": shared} if shared else {}
+        kernel("moe_routing.cu", "moe_add_rms_norm_route", **defines)((tokens,), (threads,), (
+            x, residual, norm_weight, out, residual_out, np.int32(hidden), np.float32(eps), layer.gate,
+            NULL if layer.correction_bias is None else layer.correction_bias, np.int32(spec.num_experts),
+            np.int32(spec.top_k), np.int32(SCORING[spec.scoring]), np.int32(spec.norm_topk_prob),
+            np.float32(spec.routed_scaling_factor), ids, weights))
+    return out, residual_out, ids, weights
