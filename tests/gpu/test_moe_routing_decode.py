@@ -61,6 +61,7 @@ def test_route_before_shared_equals_inline(cuda_backend, rng, monkeypatch, token
     def step():
         return moe.moe_forward(cuda_backend, x, layer, shared_experts=shared_experts)
 
+    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "0")  # one routing path for every order (the ordering is under test)
     monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "0")
     inline = cuda_backend.to_host(step())
     monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "1")
@@ -179,6 +180,16 @@ def test_route_decode_wanted_bounds(cuda_backend, rng, monkeypatch):
     spec = RouterSpec(64, 6, "sigmoid")
     monkeypatch.delenv(moe.ROUTE_DECODE_ENV, raising=False)
     assert moe.route_decode_wanted(x, layer(spec)) == moe.DEFAULT_ROUTE_DECODE
+    assert not moe.route_decode_wanted(x, layer(spec), beside_shared=True)  # unset: not beside the shared GEMV
+    many = cupy.zeros((moe.ROUTE_DECODE_DEFAULT_MAX_WORK // 64 + 1, 256), cupy.uint16)
+    assert not moe.route_decode_wanted(many, layer(spec))  # unset: up to ROUTE_DECODE_DEFAULT_MAX_WORK
+    monkeypatch.setenv(moe.ROUTER_FUSED_ENV, "1")
+    assert not moe.route_decode_wanted(x, layer(spec))  # unset: a decode router asked for by name runs
+    monkeypatch.delenv(moe.ROUTER_FUSED_ENV)
+    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "0")
+    assert not moe.route_decode_wanted(x, layer(spec))
+    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
+    assert moe.route_decode_wanted(many, layer(spec)) and moe.route_decode_wanted(x, layer(spec), beside_shared=True)
     monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
     assert moe.route_decode_wanted(x, layer(spec)) and moe.route_decode_wanted(x, layer(spec, shared=2))
     assert not moe.route_decode_wanted(x, layer(RouterSpec(64, 6, "sigmoid", num_groups=8, topk_groups=3)))

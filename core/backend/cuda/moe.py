@@ -71,7 +71,7 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     MAX_EXPERTS,
     MAX_TOPK,
     NULL,
-    ROUTE_DECODE_DEFAULT_MAX_TOKENS,
+    ROUTE_DECODE_DEFAULT_MAX_WORK,
     ROUTE_DECODE_ENV,
     ROUTE_DECODE_GATE_ENV,
     ROUTE_DECODE_GATES,
@@ -1232,7 +1232,7 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
         raise ValueError("this MoE layer's shared experts are fused into its expert stacks (fuse_shared_experts): "
                          "pass neither shared nor shared_experts")
     # moe_route_decode's ticket zeroed before the side stream's fork point (see route_decode)
-    decode = route_decode_wanted(x, layer)
+    decode = route_decode_wanted(x, layer, beside_shared=shared_experts is not None and shared_overlap(int(x.shape[0])))
     ticket = cupy.zeros(1, cupy.uint32) if decode else None
     route_first = shared_experts is not None and shared_after_route(int(x.shape[0]))
     # ROUTE_BEFORE_SHARED_ENV: the fork point here, the shared experts launched after the routing
