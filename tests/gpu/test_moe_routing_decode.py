@@ -230,3 +230,40 @@ def test_route_decode_gate_in_shared_memory(cuda_backend, rng, monkeypatch, toke
     monkeypatch.setenv(moe.ROUTE_DECODE_GATE_ENV, "texture")
     with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_DECODE_GATE"):
         moe.route_and_group(x, layer)
+
+
+def test_route_decode_layer_ticket(cuda_backend, rng, monkeypatch):
+    """OPENINFER_MOE_ROUTE_DECODE_TICKET=layer: the layer's own counter, made once outside capture, back at zero after
+    every call; moe_forward gives the bits of a counter per call, eagerly and over graph replays (no memset node);
+    a bad value is a clear error."""
+    from openinfer.backend.cuda import moe
+    from openinfer.moe import RouterSpec
+
+    hidden, inter, experts, shared = 512, 64, 64, 2
+    weights = {name: cuda_backend.weight(bf16_random(rng, experts + shared, rows, cols, scale=0.05))
+               for name, rows, cols in (("gate_up", 2 * inter, hidden), ("down", hidden, inter))}
+    layer = moe.DeviceMoE(RouterSpec(experts, 6, "sigmoid", routed_scaling_factor=2.446),
+                          cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1)),
+                          cupy.asarray((0.1 * rng.standard_normal(experts)).astype(np.float32)),
+                          moe.ExpertLinear("bf16", weights["gate_up"], None, 2 * inter, hidden),
+                          moe.ExpertLinear("bf16", weights["down"], None, hidden, inter), shared_experts=shared)
+    x = cuda_backend.upload(bf16_random(rng, 16, hidden))
+
+    def step():
+        return moe.moe_forward(cuda_backend, x, layer)
+
+    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
+    monkeypatch.setenv(moe.ROUTE_DECODE_TICKET_ENV, "call")
+    want = cuda_backend.to_host(step())
+    monkeypatch.setenv(moe.ROUTE_DECODE_TICKET_ENV, "layer")
+    ticket = moe.route_decode_ticket(layer)
+    assert ticket is moe.route_decode_ticket(layer) and int(ticket.get()[0]) == 0
+    for _ in range(3):
+        assert np.array_equal(cuda_backend.to_host(step()), want)
+        assert int(ticket.get()[0]) == 0
+    for replay in _capture_replay(step, cuda_backend.to_host, replays=3):
+        assert np.array_equal(replay, want)
+    assert int(ticket.get()[0]) == 0
+    monkeypatch.setenv(moe.ROUTE_DECODE_TICKET_ENV, "global")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_DECODE_TICKET"):
+        moe.route_decode_ticket(layer)

@@ -77,6 +77,8 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     ROUTE_DECODE_GATES,
     ROUTE_DECODE_MAX_HIDDEN,
     ROUTE_DECODE_MAX_TOKENS,
+    ROUTE_DECODE_TICKET_ENV,
+    ROUTE_DECODE_TICKETS,
     ROUTE_DECODE_WARPS_ENV,
     ROUTE_NORM_ENV,
     ROUTE_NORM_MAX_EXPERTS,
@@ -114,6 +116,7 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     route_decode,
     route_decode_gate_bytes,
     route_decode_shape,
+    route_decode_ticket,
     route_decode_wanted,
     route_norm_wanted,
     route_sort_wanted,
@@ -1233,7 +1236,7 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
                          "pass neither shared nor shared_experts")
     # moe_route_decode's ticket zeroed before the side stream's fork point (see route_decode)
     decode = route_decode_wanted(x, layer, beside_shared=shared_experts is not None and shared_overlap(int(x.shape[0])))
-    ticket = cupy.zeros(1, cupy.uint32) if decode else None
+    ticket = route_decode_ticket(layer) if decode else None
     route_first = shared_experts is not None and shared_after_route(int(x.shape[0]))
     # ROUTE_BEFORE_SHARED_ENV: the fork point here, the shared experts launched after the routing
     forked = shared_experts is not None and not route_first and route_before_shared(int(x.shape[0]))

@@ -102,6 +102,11 @@ ROUTE_SORT_WARP_ENV, ROUTE_SORT_WARP_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT_WARP
 ROUTE_DECODE_ENV, ROUTE_DECODE_WARPS_ENV = "OPENINFER_MOE_ROUTE_DECODE", "OPENINFER_MOE_ROUTE_DECODE_WARPS"
 ROUTE_DECODE_GATE_ENV, ROUTE_DECODE_GATES, DEFAULT_ROUTE_DECODE_GATE = (
     "OPENINFER_MOE_ROUTE_DECODE_GATE", ("registers", "shared"), "registers")
+# OPENINFER_MOE_ROUTE_DECODE_TICKET=layer (opt-in until measured; unset / =call: a zeroed counter per call): each layer
+# keeps one counter of its own, zeroed once outside graph capture and put back to zero by the kernel's last block, so a
+# step has no memset node before the router (D3's Moonlight trace: ~6 us of gap before each moe_route_decode, the
+# memset node's). Safe while one layer's routing never runs twice at once (one stream a model, as the engine runs).
+ROUTE_DECODE_TICKET_ENV, ROUTE_DECODE_TICKETS = "OPENINFER_MOE_ROUTE_DECODE_TICKET", ("call", "layer")
 ROUTE_DECODE_MAX_TOKENS, ROUTE_DECODE_MAX_HIDDEN = 64, 8192  # moe_route_decode: ≤ 32 16-byte chunks a lane
 ROUTE_DECODE_X_BYTES = 44 * 1024  # moe_route_decode's staged x rows (static shared memory)
 DEFAULT_ROUTE_DECODE = True
@@ -227,6 +232,24 @@ def route_decode_wanted(x: cupy.ndarray, layer: DeviceMoE, beside_shared: bool =
             and tokens * (spec.top_k + shared) * 4 <= ROUTE_DECODE_X_BYTES)
 
 
+_layer_tickets: dict[tuple[int, int], cupy.ndarray] = {}  # (device, router weight address) -> its counter
+
+
+def route_decode_ticket(layer: DeviceMoE) -> cupy.ndarray:
+    """moe_route_decode's counter for a call on ``layer``, zero when the kernel starts: a fresh zeroed uint32 (a memset
+    node in a graph), or with OPENINFER_MOE_ROUTE_DECODE_TICKET=layer the layer's own, made once (zeroed, synchronised)
+    outside graph capture and left at zero by every call (a fresh one while capturing before it exists)."""
+    mode = os.environ.get(ROUTE_DECODE_TICKET_ENV, "").strip() or "call"
+    if mode not in ROUTE_DECODE_TICKETS:
+        raise ValueError(f"{ROUTE_DECODE_TICKET_ENV} must be one of {', '.join(ROUTE_DECODE_TICKETS)}, got {mode!r}")
+    key = (cupy.cuda.Device().id, layer.gate.data.ptr)
+    if mode == "layer" and key not in _layer_tickets and not cupy.cuda.get_current_stream().is_capturing():
+        ticket = cupy.zeros(1, cupy.uint32)
+        cupy.cuda.get_current_stream().synchronize()  # zero before any stream uses it
+        _layer_tickets[key] = ticket
+    return _layer_tickets[key] if mode == "layer" and key in _layer_tickets else cupy.zeros(1, cupy.uint32)
+
+
 def route_decode_shape(tokens: int, hidden: int, num_experts: int, slots: int) -> tuple[int, dict[str, int]]:
     """moe_route_decode's grid and defines for a step: token groups of up to 4 tokens whose bf16 rows fit the staged
     bytes, blocks of ROUTE_DECODE_WARPS_ENV warps (4 up to 4 tokens, else 8), one warp per expert and group; the
@@ -321,7 +344,7 @@ def route_decode(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | None 
         fn.max_dynamic_shared_size_bytes = gate_bytes
     fn((grid,), (defines["ROUTE_DECODE_WARPS"] * 32,), (
         x, layer.gate, np.int32(num_tokens), np.int32(hidden), logits,
-        cupy.zeros(1, cupy.uint32) if ticket is None else ticket,
+        route_decode_ticket(layer) if ticket is None else ticket,
         NULL if layer.correction_bias is None else layer.correction_bias, np.int32(spec.num_experts),
         np.int32(spec.top_k), np.int32(SCORING[spec.scoring]), np.int32(spec.norm_topk_prob),
         np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights, grouping.offsets, grouping.sorted_slots,
