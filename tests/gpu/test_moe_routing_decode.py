@@ -183,6 +183,8 @@ def test_route_decode_wanted_bounds(cuda_backend, rng, monkeypatch):
     assert not moe.route_decode_wanted(x, layer(spec), beside_shared=True)  # unset: not beside the shared GEMV
     many = cupy.zeros((moe.ROUTE_DECODE_DEFAULT_MAX_WORK // 64 + 1, 256), cupy.uint16)
     assert not moe.route_decode_wanted(many, layer(spec))  # unset: up to ROUTE_DECODE_DEFAULT_MAX_WORK
+    softmax = RouterSpec(64, 6, "softmax")  # unset: softmax routers at one token only (moe_route's sum order above)
+    assert moe.route_decode_wanted(x[:1], layer(softmax)) and not moe.route_decode_wanted(x, layer(softmax))
     monkeypatch.setenv(moe.ROUTER_FUSED_ENV, "1")
     assert not moe.route_decode_wanted(x, layer(spec))  # unset: a decode router asked for by name runs
     monkeypatch.delenv(moe.ROUTER_FUSED_ENV)

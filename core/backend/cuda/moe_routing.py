@@ -212,16 +212,20 @@ def router_fused_wanted(x: cupy.ndarray, gate: cupy.ndarray) -> bool:
 
 def route_decode_wanted(x: cupy.ndarray, layer: DeviceMoE, beside_shared: bool = False) -> bool:
     """Whether ``route_and_group`` runs as moe_route_decode (see ROUTE_DECODE_ENV): the switch (1 / 0; another value:
-    a clear error; unset: DEFAULT_ROUTE_DECODE for steps of at most ROUTE_DECODE_DEFAULT_MAX_WORK tokens x experts and
-    not ``beside_shared``, shared experts running on the side stream meanwhile) and the kernel's needs:
+    a clear error; unset: DEFAULT_ROUTE_DECODE for steps of at most ROUTE_DECODE_DEFAULT_MAX_WORK tokens x experts,
+    not ``beside_shared`` (shared experts running on the side stream meanwhile), softmax routers at one token only:
+    the weights of the routing it replaces, bit for bit) and the kernel's needs:
     1..ROUTE_DECODE_MAX_TOKENS tokens, a router without expert groups, no hash routing, rows of whole 16-byte pieces
     (aligned) up to ROUTE_DECODE_MAX_HIDDEN, the experts, slots and picks within its shared arrays and one warp."""
     spec, shared = layer.router, layer.shared_experts
     tokens, hidden = int(x.shape[0]), int(x.shape[1])
     if os.environ.get(ROUTE_DECODE_ENV, "") == "":
         if (_switch(ROUTER_FUSED_ENV) or _switch(ROUTER_BLOCKS_ENV) or beside_shared or not DEFAULT_ROUTE_DECODE
-                or tokens * spec.num_experts > ROUTE_DECODE_DEFAULT_MAX_WORK):
-            return False  # (the other decode routers asked for by name keep their own logits order)
+                or tokens * spec.num_experts > ROUTE_DECODE_DEFAULT_MAX_WORK
+                or (spec.scoring == "softmax" and tokens > 1)):
+            # (the other decode routers asked for by name keep their own logits order; a softmax router's weights
+            # from moe_route, the default above one token, sum the softmax in its block's order, not a warp's)
+            return False
     elif not _switch(ROUTE_DECODE_ENV):
         return False
     return (0 < tokens <= ROUTE_DECODE_MAX_TOKENS
