@@ -235,9 +235,9 @@ def test_route_decode_gate_in_shared_memory(cuda_backend, rng, monkeypatch, toke
 
 
 def test_route_decode_layer_ticket(cuda_backend, rng, monkeypatch):
-    """OPENINFER_MOE_ROUTE_DECODE_TICKET=layer: the layer's own counter, made once outside capture, back at zero after
-    every call; moe_forward gives the bits of a counter per call, eagerly and over graph replays (no memset node);
-    a bad value is a clear error."""
+    """OPENINFER_MOE_ROUTE_DECODE_TICKET=kernel (the per-call counter zeroed by a kernel node) and =layer (the layer's
+    own counter, made once outside capture, back at zero after every call): moe_forward gives the bits of a memset
+    counter per call, eagerly and over graph replays; a bad value is a clear error."""
     from openinfer.backend.cuda import moe
     from openinfer.moe import RouterSpec
 
@@ -257,6 +257,9 @@ def test_route_decode_layer_ticket(cuda_backend, rng, monkeypatch):
     monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
     monkeypatch.setenv(moe.ROUTE_DECODE_TICKET_ENV, "call")
     want = cuda_backend.to_host(step())
+    monkeypatch.setenv(moe.ROUTE_DECODE_TICKET_ENV, "kernel")  # the per-call counter zeroed by a kernel node
+    assert np.array_equal(cuda_backend.to_host(step()), want)
+    assert all(np.array_equal(replay, want) for replay in _capture_replay(step, cuda_backend.to_host))
     monkeypatch.setenv(moe.ROUTE_DECODE_TICKET_ENV, "layer")
     ticket = moe.route_decode_ticket(layer)
     assert ticket is moe.route_decode_ticket(layer) and int(ticket.get()[0]) == 0

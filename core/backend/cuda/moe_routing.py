@@ -102,11 +102,12 @@ ROUTE_SORT_WARP_ENV, ROUTE_SORT_WARP_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT_WARP
 ROUTE_DECODE_ENV, ROUTE_DECODE_WARPS_ENV = "OPENINFER_MOE_ROUTE_DECODE", "OPENINFER_MOE_ROUTE_DECODE_WARPS"
 ROUTE_DECODE_GATE_ENV, ROUTE_DECODE_GATES, DEFAULT_ROUTE_DECODE_GATE = (
     "OPENINFER_MOE_ROUTE_DECODE_GATE", ("registers", "shared"), "registers")
-# OPENINFER_MOE_ROUTE_DECODE_TICKET=layer (opt-in until measured; unset / =call: a zeroed counter per call): each layer
-# keeps one counter of its own, zeroed once outside graph capture and put back to zero by the kernel's last block, so a
-# step has no memset node before the router (D3's Moonlight trace: ~6 us of gap before each moe_route_decode, the
-# memset node's). Safe while one layer's routing never runs twice at once (one stream a model, as the engine runs).
-ROUTE_DECODE_TICKET_ENV, ROUTE_DECODE_TICKETS = "OPENINFER_MOE_ROUTE_DECODE_TICKET", ("call", "layer")
+# OPENINFER_MOE_ROUTE_DECODE_TICKET (opt-in until measured; unset / =call: a counter per call zeroed by a memset node):
+# =kernel zeroes the per-call counter by a one-thread kernel node (a memset node may run on a copy engine: D3's
+# Moonlight trace shows ~6 us of gap before each moe_route_decode); =layer: each layer keeps one counter of its own,
+# zeroed once outside graph capture and put back to zero by the kernel's last block, so no node runs before the router.
+# Safe while one layer's routing never runs twice at once (one stream a model, as the engine runs).
+ROUTE_DECODE_TICKET_ENV, ROUTE_DECODE_TICKETS = "OPENINFER_MOE_ROUTE_DECODE_TICKET", ("call", "kernel", "layer")
 ROUTE_DECODE_MAX_TOKENS, ROUTE_DECODE_MAX_HIDDEN = 64, 8192  # moe_route_decode: ≤ 32 16-byte chunks a lane
 ROUTE_DECODE_X_BYTES = 44 * 1024  # moe_route_decode's staged x rows (static shared memory)
 DEFAULT_ROUTE_DECODE = True
@@ -241,8 +242,9 @@ _layer_tickets: dict[tuple[int, int], cupy.ndarray] = {}  # (device, router weig
 
 def route_decode_ticket(layer: DeviceMoE) -> cupy.ndarray:
     """moe_route_decode's counter for a call on ``layer``, zero when the kernel starts: a fresh zeroed uint32 (a memset
-    node in a graph), or with OPENINFER_MOE_ROUTE_DECODE_TICKET=layer the layer's own, made once (zeroed, synchronised)
-    outside graph capture and left at zero by every call (a fresh one while capturing before it exists)."""
+    node in a graph; OPENINFER_MOE_ROUTE_DECODE_TICKET=kernel: zeroed by a kernel node), or with =layer the layer's own,
+    made once (zeroed, synchronised) outside graph capture and left at zero by every call (a fresh one while capturing
+    before it exists)."""
     mode = os.environ.get(ROUTE_DECODE_TICKET_ENV, "").strip() or "call"
     if mode not in ROUTE_DECODE_TICKETS:
         raise ValueError(f"{ROUTE_DECODE_TICKET_ENV} must be one of {', '.join(ROUTE_DECODE_TICKETS)}, got {mode!r}")
@@ -251,7 +253,13 @@ def route_decode_ticket(layer: DeviceMoE) -> cupy.ndarray:
         ticket = cupy.zeros(1, cupy.uint32)
         cupy.cuda.get_current_stream().synchronize()  # zero before any stream uses it
         _layer_tickets[key] = ticket
-    return _layer_tickets[key] if mode == "layer" and key in _layer_tickets else cupy.zeros(1, cupy.uint32)
+    if mode == "layer" and key in _layer_tickets:
+        return _layer_tickets[key]
+    if mode == "kernel":
+        ticket = cupy.empty(1, cupy.uint32)
+        kernel("moe_routing.cu", "moe_route_decode_ticket")((1,), (32,), (ticket,))
+        return ticket
+    return cupy.zeros(1, cupy.uint32)
 
 
 def route_decode_shape(tokens: int, hidden: int, num_experts: int, slots: int) -> tuple[int, dict[str, int]]:
