@@ -81,11 +81,12 @@ def test_route_before_shared_switch(monkeypatch):
     monkeypatch.delenv(moe.SHARED_OVERLAP_ENV, raising=False)
     monkeypatch.delenv(moe.ROUTE_BEFORE_SHARED_ENV, raising=False)
     assert moe.route_before_shared(1) == moe.DEFAULT_ROUTE_BEFORE_SHARED
+    assert moe.route_before_shared(1, one_launch=True)  # unset: on before moe_route_decode
     monkeypatch.setenv(moe.ROUTE_BEFORE_SHARED_ENV, "1")
     assert moe.route_before_shared(1) and not moe.route_before_shared(0)
     assert not moe.route_before_shared(moe.SHARED_OVERLAP_MAX_TOKENS + 1)
     monkeypatch.setenv(moe.ROUTE_BEFORE_SHARED_ENV, "0")
-    assert not moe.route_before_shared(1)
+    assert not moe.route_before_shared(1) and not moe.route_before_shared(1, one_launch=True)
     monkeypatch.setenv(moe.ROUTE_BEFORE_SHARED_ENV, "early")
     with pytest.raises(ValueError, match="must be 1 or 0"):
         moe.route_before_shared(1)

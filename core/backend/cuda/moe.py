@@ -58,6 +58,7 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     CHUNK_SLOTS,
     CHUNK_THREADS,
     DEFAULT_ROUTE_DECODE,
+    DEFAULT_ROUTE_DECODE_BESIDE_SHARED,
     DEFAULT_ROUTE_DECODE_GATE,
     DEFAULT_ROUTE_NORM,
     DEFAULT_ROUTER_BLOCKS,
@@ -1208,11 +1209,12 @@ ROUTE_BEFORE_SHARED_ENV = "OPENINFER_MOE_ROUTE_BEFORE_SHARED"
 DEFAULT_ROUTE_BEFORE_SHARED = False
 
 
-def route_before_shared(tokens: int) -> bool:
+def route_before_shared(tokens: int, one_launch: bool = False) -> bool:
     """Whether moe_forward launches the routing before the shared experts' side stream (see
-    ROUTE_BEFORE_SHARED_ENV): the switch (1 / 0, unset: the default; another value: a clear error) where the step
-    overlaps the shared experts at all."""
-    return (_switch(ROUTE_BEFORE_SHARED_ENV, default=DEFAULT_ROUTE_BEFORE_SHARED) and 0 < tokens
+    ROUTE_BEFORE_SHARED_ENV): the switch (1 / 0; another value: a clear error; unset: the default, or on where the
+    routing is ``one_launch``, moe_route_decode, whose ~145-register blocks would wait for the GEMV's to leave room)
+    where the step overlaps the shared experts at all."""
+    return (_switch(ROUTE_BEFORE_SHARED_ENV, default=DEFAULT_ROUTE_BEFORE_SHARED or one_launch) and 0 < tokens
             and shared_overlap(tokens))
 
 
@@ -1239,7 +1241,7 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     ticket = route_decode_ticket(layer) if decode else None
     route_first = shared_experts is not None and shared_after_route(int(x.shape[0]))
     # ROUTE_BEFORE_SHARED_ENV: the fork point here, the shared experts launched after the routing
-    forked = shared_experts is not None and not route_first and route_before_shared(int(x.shape[0]))
+    forked = shared_experts is not None and not route_first and route_before_shared(int(x.shape[0]), decode)
     if forked:
         fork_shared_experts()
     elif not route_first:

@@ -111,6 +111,7 @@ ROUTE_DECODE_TICKET_ENV, ROUTE_DECODE_TICKETS = "OPENINFER_MOE_ROUTE_DECODE_TICK
 ROUTE_DECODE_MAX_TOKENS, ROUTE_DECODE_MAX_HIDDEN = 64, 8192  # moe_route_decode: ≤ 32 16-byte chunks a lane
 ROUTE_DECODE_X_BYTES = 44 * 1024  # moe_route_decode's staged x rows (static shared memory)
 DEFAULT_ROUTE_DECODE = True
+DEFAULT_ROUTE_DECODE_BESIDE_SHARED = False  # unset: also where shared experts run on the side stream meanwhile
 ROUTE_DECODE_DEFAULT_MAX_WORK = 2048  # the switch unset: steps of at most this many tokens x routed experts
 GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
@@ -221,7 +222,8 @@ def route_decode_wanted(x: cupy.ndarray, layer: DeviceMoE, beside_shared: bool =
     spec, shared = layer.router, layer.shared_experts
     tokens, hidden = int(x.shape[0]), int(x.shape[1])
     if os.environ.get(ROUTE_DECODE_ENV, "") == "":
-        if (_switch(ROUTER_FUSED_ENV) or _switch(ROUTER_BLOCKS_ENV) or beside_shared or not DEFAULT_ROUTE_DECODE
+        if (_switch(ROUTER_FUSED_ENV) or _switch(ROUTER_BLOCKS_ENV) or not DEFAULT_ROUTE_DECODE
+                or (beside_shared and not DEFAULT_ROUTE_DECODE_BESIDE_SHARED)
                 or tokens * spec.num_experts > ROUTE_DECODE_DEFAULT_MAX_WORK
                 or (spec.scoring == "softmax" and tokens > 1)):
             # (the other decode routers asked for by name keep their own logits order; a softmax router's weights
