@@ -181,7 +181,7 @@ def test_route_decode_wanted_bounds(cuda_backend, rng, monkeypatch):
     spec = RouterSpec(64, 6, "sigmoid")
     monkeypatch.delenv(moe.ROUTE_DECODE_ENV, raising=False)
     assert moe.route_decode_wanted(x, layer(spec)) == moe.DEFAULT_ROUTE_DECODE
-    assert not moe.route_decode_wanted(x, layer(spec), beside_shared=True)  # unset: not beside the shared GEMV
+    assert moe.route_decode_wanted(x, layer(spec), beside_shared=True) == moe.DEFAULT_ROUTE_DECODE_BESIDE_SHARED
     many = cupy.zeros((moe.ROUTE_DECODE_DEFAULT_MAX_WORK // 64 + 1, 256), cupy.uint16)
     assert not moe.route_decode_wanted(many, layer(spec))  # unset: up to ROUTE_DECODE_DEFAULT_MAX_WORK
     softmax = RouterSpec(64, 6, "softmax")  # unset: softmax routers at one token only (moe_route's sum order above)

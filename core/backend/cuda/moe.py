@@ -60,6 +60,7 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     DEFAULT_ROUTE_DECODE,
     DEFAULT_ROUTE_DECODE_BESIDE_SHARED,
     DEFAULT_ROUTE_DECODE_GATE,
+    DEFAULT_ROUTE_DECODE_TICKET,
     DEFAULT_ROUTE_NORM,
     DEFAULT_ROUTER_BLOCKS,
     DEFAULT_ROUTER_FUSED,
@@ -1246,7 +1247,7 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
         fork_shared_experts()
     elif not route_first:
         shared, joined = start_shared_experts(x, shared_experts) if shared_experts is not None else (shared, None)
-    grouping = route_and_group(x, layer, ticket) if decode or route_sort_wanted(
+    grouping = route_and_group(x, layer, ticket, one_launch=decode) if decode or route_sort_wanted(
         int(x.shape[0]), layer.router, layer.tid2eid, layer.shared_experts) else None
     if grouping is None:
         ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid,

@@ -102,16 +102,24 @@ ROUTE_SORT_WARP_ENV, ROUTE_SORT_WARP_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT_WARP
 ROUTE_DECODE_ENV, ROUTE_DECODE_WARPS_ENV = "OPENINFER_MOE_ROUTE_DECODE", "OPENINFER_MOE_ROUTE_DECODE_WARPS"
 ROUTE_DECODE_GATE_ENV, ROUTE_DECODE_GATES, DEFAULT_ROUTE_DECODE_GATE = (
     "OPENINFER_MOE_ROUTE_DECODE_GATE", ("registers", "shared"), "registers")
-# OPENINFER_MOE_ROUTE_DECODE_TICKET (opt-in until measured; unset / =call: a counter per call zeroed by a memset node):
-# =kernel zeroes the per-call counter by a one-thread kernel node (a memset node may run on a copy engine: D3's
+# OPENINFER_MOE_ROUTE_DECODE_TICKET (=call: a counter per call zeroed by a memset node):
+# =kernel (the default) zeroes the per-call counter by a one-thread kernel node (a memset node may run on a copy engine: D3's
 # Moonlight trace shows ~6 us of gap before each moe_route_decode); =layer: each layer keeps one counter of its own,
 # zeroed once outside graph capture and put back to zero by the kernel's last block, so no node runs before the router.
 # Safe while one layer's routing never runs twice at once (one stream a model, as the engine runs).
+# Default "kernel" since D3b (H200, timeline_moonlight_route13_d3b.json, one process, 2 rounds, logits equal): Moonlight
+# step b1 / b16 2.614 -> 2.555 / 7.781 -> 7.733 ms over the memset (1.023 / 1.006x); "layer" 2.531 / 7.712 (1.033 /
+# 1.009x) stays opt-in (state kept across calls).
 ROUTE_DECODE_TICKET_ENV, ROUTE_DECODE_TICKETS = "OPENINFER_MOE_ROUTE_DECODE_TICKET", ("call", "kernel", "layer")
+DEFAULT_ROUTE_DECODE_TICKET = "kernel"
 ROUTE_DECODE_MAX_TOKENS, ROUTE_DECODE_MAX_HIDDEN = 64, 8192  # moe_route_decode: ≤ 32 16-byte chunks a lane
 ROUTE_DECODE_X_BYTES = 44 * 1024  # moe_route_decode's staged x rows (static shared memory)
 DEFAULT_ROUTE_DECODE = True
-DEFAULT_ROUTE_DECODE_BESIDE_SHARED = False  # unset: also where shared experts run on the side stream meanwhile
+# unset: also where shared experts run on the side stream meanwhile, the routing launched first (D3b, H200, Kimi-K2 layer
+# b1, kimi_layer_b1_route13_d3b.json: 181.7 us, span 177.4, the experts' GEMVs from t = 105 µs; D3's layer with
+# int4's same GEMV and the two-launch routing 189.6, span 187.7, experts from t = 121.5; forked after the shared
+# GEMV instead 191.3)
+DEFAULT_ROUTE_DECODE_BESIDE_SHARED = True
 ROUTE_DECODE_DEFAULT_MAX_WORK = 2048  # the switch unset: steps of at most this many tokens x routed experts
 GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
@@ -247,7 +255,7 @@ def route_decode_ticket(layer: DeviceMoE) -> cupy.ndarray:
     node in a graph; OPENINFER_MOE_ROUTE_DECODE_TICKET=kernel: zeroed by a kernel node), or with =layer the layer's own,
     made once (zeroed, synchronised) outside graph capture and left at zero by every call (a fresh one while capturing
     before it exists)."""
-    mode = os.environ.get(ROUTE_DECODE_TICKET_ENV, "").strip() or "call"
+    mode = os.environ.get(ROUTE_DECODE_TICKET_ENV, "").strip() or DEFAULT_ROUTE_DECODE_TICKET
     if mode not in ROUTE_DECODE_TICKETS:
         raise ValueError(f"{ROUTE_DECODE_TICKET_ENV} must be one of {', '.join(ROUTE_DECODE_TICKETS)}, got {mode!r}")
     key = (cupy.cuda.Device().id, layer.gate.data.ptr)
@@ -289,16 +297,16 @@ def route_decode_gate_bytes(defines: dict[str, int]) -> int:
     return defines["ROUTE_DECODE_WARPS"] * defines["ROUTE_DECODE_CHUNKS"] * 512 if defines["ROUTE_DECODE_GATE_SMEM"] else 0
 
 
-def route_and_group(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | None = None
-                    ) -> ExpertGroupingDevice | None:
+def route_and_group(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | None = None,
+                    one_launch: bool | None = None) -> ExpertGroupingDevice | None:
     """``group_by_expert(*route(x, ...))`` of ``layer`` in two launches: router_logits, then moe_route_sort
     (the same ids and weights as moe_route_warps, moe_sort_parallel's offsets and tile list; each expert's
     slots in the order atomics hand out, as there). None where the logits kernel does not run (unaligned
-    rows): the caller routes the usual way. The caller checks ``route_sort_wanted``; where ``route_decode_wanted``
-    (or given a ``ticket``: the caller checked it), one launch instead (``route_decode``)."""
+    rows): the caller routes the usual way. The caller checks ``route_sort_wanted``; where ``one_launch`` (default:
+    given a ``ticket``, else ``route_decode_wanted``), one launch instead (``route_decode``)."""
     spec, shared = layer.router, layer.shared_experts
     check_router(spec, shared)
-    if ticket is not None or route_decode_wanted(x, layer):
+    if (one_launch if one_launch is not None else ticket is not None or route_decode_wanted(x, layer)):
         return route_decode(x, layer, ticket)
     fused = router_fused_wanted(x, layer.gate) and layer.tid2eid is None
     logits = (cupy.empty((int(x.shape[0]), spec.num_experts), cupy.float32) if fused
