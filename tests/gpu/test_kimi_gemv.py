@@ -44,7 +44,7 @@ LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "ti
                        "groups_norot_acc2", "groups_acc2", "groups_norot_acc4",
                        "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6",
                        "groups_s8_k2", "groups_s8_p2", "groups_s8_p4", "groups_xs", "groups_xs_d2", "groups_xs1",
-                       "groups_xs_u5", "groups_xs_d2_u6"]
+                       "groups_xs_u5", "groups_xs_d2_u6", "groups_xs_lw", "groups_xs_u5_lw"]
 
 
 def _kernel_id(kernel) -> str:
@@ -301,7 +301,8 @@ def test_wide_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, monkeypat
 # --- the lane-groups layout (tile_int4(lane_groups=True), moe.cu INT4_TILED 2) and moe_int4.cu's GEMV ---
 
 
-@pytest.mark.parametrize("gemv_kernel", [None, "groups_norot", "groups_xs", "groups_xs_u5", "groups_xs_d2_u6"])
+@pytest.mark.parametrize("gemv_kernel", [None, "groups_norot", "groups_xs", "groups_xs_u5", "groups_xs_d2_u6",
+                                         "groups_xs_lw"])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 64])
 def test_lane_groups_moe_forward_equals_rows(cuda_backend, cuda_moe, rng, monkeypatch, tokens, gemv_kernel):
     """moe_forward (routing, gate_up GEMV, SiLU·mul, down GEMV, weighted combine) with lane-groups experts:
@@ -341,7 +342,8 @@ def test_lane_groups_moe_forward_equals_rows(cuda_backend, cuda_moe, rng, monkey
 
 
 @pytest.mark.parametrize("gemv_kernel", ["groups", "groups_d2", "groups_d6", "groups_norot", "groups_s8", "groups_s8_k2",
-                                         "groups_xs", "groups_xs_d2", "groups_xs1", "groups_xs_u5", "groups_xs_d2_u6"])
+                                         "groups_xs", "groups_xs_d2", "groups_xs1", "groups_xs_u5", "groups_xs_d2_u6",
+                                         "groups_xs_lw", "groups_xs_u5_lw"])
 @pytest.mark.parametrize("tokens", [1, 2, 40])
 def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, monkeypatch, gemv_kernel, tokens):
     """OPENINFER_MOE_GEMV_SILU=1 with lane-groups gate_up: moe_gemv_int4_groups with SiLU·mul fused (each warp

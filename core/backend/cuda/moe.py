@@ -279,6 +279,10 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "groups_xs_u5": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_XSMEM_AT_USE": 1, "GROUPS_MIN_BLOCKS": 5},
     "groups_xs_d2_u6": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_XSMEM_AT_USE": 1, "GROUPS_DEPTH": 2,
                         "GROUPS_MIN_BLOCKS": 6},
+    # ... walking the chunks without the rotation's wrap test (GROUPS_LINEAR_WALK: 97 -> 90 instructions per KB)
+    "groups_xs_lw": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_LINEAR_WALK": 1},
+    "groups_xs_u5_lw": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_XSMEM_AT_USE": 1, "GROUPS_MIN_BLOCKS": 5,
+                        "GROUPS_LINEAR_WALK": 1},
     # measuring only, wrong results (moe_int4.cu GROUPS_PROBE): groups_norot's memory stream without the arithmetic,
     # its arithmetic on cache-resident chunks. s13 D2 (one token, gate_up / down): 34.9 / 20.4 and 38.2 / 21.3 us
     # where the kernel took 42.2 / 26.3: the arithmetic, not the loads, set the pace
