@@ -153,7 +153,7 @@ def test_int4_layout_switch(cuda_moe, rng, monkeypatch, layout):
 
 def test_lane_groups_one_token_choice_and_shared_memory(cuda_moe, rng, monkeypatch):
     """LANE_GROUPS_ONE_TOKEN runs a one-token grouped step (every tile one row) ahead of LANE_GROUPS_CHOICE, and only
-    there; a forced kernel wins; groups_shared_bytes sizes GROUPS_XSMEM's staged rows and the shared-memory ring, and
+    there (LANE_GROUPS_ONE_TOKEN_FUSED, where set, the fused SiLU·mul gate_up); a forced kernel wins; groups_shared_bytes sizes GROUPS_XSMEM's staged rows and the shared-memory ring, and
     says clearly when a block cannot hold them."""
     moe = cuda_moe
     weight = moe.tiled_int4(_int4_experts(rng, 4, 64, 256)[0], "lane_groups")
@@ -171,6 +171,9 @@ def test_lane_groups_one_token_choice_and_shared_memory(cuda_moe, rng, monkeypat
     two = moe.group_by_expert(cupy.asarray(np.array([[0, 2], [0, 1]], np.int32)), cupy.ones((2, 2), cupy.float32), 4)
     monkeypatch.setenv(moe.GEMV_SILU_ENV, "1")
     assert moe.gemv_silu_kernel(x, weight, one) == "groups_xs_u5"
+    monkeypatch.setattr(moe, "LANE_GROUPS_ONE_TOKEN_FUSED", "groups_xs_lw")  # the fused gate_up's own
+    assert moe.gemv_silu_kernel(x, weight, one) == "groups_xs_lw"
+    assert moe.layout_gemv(weight, "mma_staged", None, 0.02, one_token=True) == "groups_xs_u5"
     assert moe.gemv_silu_kernel(cupy.concatenate([x, x]), weight, two) != "groups_xs_u5"
     assert moe.groups_shared_bytes({"GROUPS_XSMEM": 1}, 7168) == (0, (4 * 56 + 1) * 80)
     assert moe.groups_shared_bytes({"GROUPS_XSMEM": 2}, 2048) == (0, (8 * 16 + 1) * 80)

@@ -318,6 +318,8 @@ LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_norot"), (3, 
 # arithmetic alone, probe_arith, had been 38.2 / 21.3; the loads alone, probe_memory, 34.9 / 20.4); in the layer's
 # graph timeline 43.6 + 25.9 -> 39.1 + 22.9 us (groups_xs1, the same kernel for one-row tiles), span 197.8 -> 190.3 us.
 LANE_GROUPS_ONE_TOKEN: str | None = "groups_xs"
+# ... and for gate_up with SiLU·mul fused (gemv_silu_kernel; a batch-1 step's gate_up): None, the same
+LANE_GROUPS_ONE_TOKEN_FUSED: str | None = None
 # OPENINFER_INT4_ROW_BLOCKS (moe_int4.cu GROUPS_ROW_BLOCKS): each block of moe_gemv_int4_groups takes R column
 # blocks in turn (blockIdx.x, + gridDim.x, ...), the grid R times narrower. "auto": for decode-sized grids (at most
 # ROW_BLOCKS_MAX_TILES tile rows) that exceed one wave of resident blocks by a quarter or more, R = the waves
@@ -621,18 +623,19 @@ def gemv_for(rows_per_weight: float, grouped: bool, weight_format: str, gemv_ker
 
 
 def layout_gemv(weight: ExpertLinear, name: str | None, gemv_kernel: str | None = None,
-                rows_per_weight: float = 0.0, one_token: bool = False) -> str | None:
+                rows_per_weight: float = 0.0, one_token: bool = False, fused: bool = False) -> str | None:
     """The decode GEMV for ``weight`` where the tables chose ``name``: TILED_GEMV for tiled INT4
-    weights, LANE_GROUPS_ONE_TOKEN in a grouped step of ``one_token``, else LANE_GROUPS_CHOICE's by
-    ``rows_per_weight`` for lane-groups ones (past it ``name``), unless a kernel is forced
-    (``forced_gemv_kernel``); else ``name``."""
+    weights, LANE_GROUPS_ONE_TOKEN (``fused``, SiLU·mul in it: LANE_GROUPS_ONE_TOKEN_FUSED first) in a grouped
+    step of ``one_token``, else LANE_GROUPS_CHOICE's by ``rows_per_weight`` for lane-groups ones (past it
+    ``name``), unless a kernel is forced (``forced_gemv_kernel``); else ``name``."""
     if name is None or forced_gemv_kernel(gemv_kernel) is not None:
         return name
     if weight.layout == "tiled":
         return TILED_GEMV
     if weight.layout == "lane_groups":
-        if one_token and LANE_GROUPS_ONE_TOKEN is not None:
-            return LANE_GROUPS_ONE_TOKEN
+        one = (fused and LANE_GROUPS_ONE_TOKEN_FUSED) or LANE_GROUPS_ONE_TOKEN
+        if one_token and one is not None:
+            return one
         return next((kernel for most, kernel in LANE_GROUPS_CHOICE if rows_per_weight <= most), name)
     return name
 
@@ -1314,7 +1317,7 @@ def gemv_silu_kernel(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGro
         return None
     per_expert = int(grouping.sorted_slots.size) / gate_up.num_experts
     name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None, per_expert,
-                       one_token=int(grouping.sorted_slots.size) == grouping.top_k)
+                       one_token=int(grouping.sorted_slots.size) == grouping.top_k, fused=True)
     defines = GEMV_KERNELS.get(name, {}) if name is not None else {}
     if name in GROUPS_GEMVS and gate_up.layout == "lane_groups":  # =1 always; unset: up to LANE_GROUPS_SILU_MAX_SLOTS
         wanted = explicit or per_expert <= LANE_GROUPS_SILU_MAX_SLOTS
