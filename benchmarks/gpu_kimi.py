@@ -1382,7 +1382,7 @@ def run_layer(args) -> dict:
             breakdown = layer_breakdown(layer_parts(ops, attention, moe, shared, spec, cache, device_batch, cos, sin,
                                                     x, absorbed_kernel), step, args.iters)
             eager = gpu_seconds(step, repeats=args.iters, warmup=2)
-            graph_seconds, graph_error, timeline = None, None, None
+            graph_seconds, graph_error, timeline, in_model_seconds = None, None, None, None
             pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
             try:  # the engine replays decode steps as CUDA graphs: time the layer the same way
                 with cupy.cuda.using_allocator(pool.malloc), stream:
@@ -1399,6 +1399,18 @@ def run_layer(args) -> dict:
                         graph = stream.end_capture()
                     graph_seconds = gpu_seconds(graph.launch, repeats=args.iters, warmup=2)
                     timeline = graph_timeline(graph.launch) if args.timeline else None
+                    if args.layers_per_graph > 1:  # as in a model's step: layers back to back in one graph
+                        if mode is None:
+                            stream.begin_capture()
+                        else:
+                            stream.begin_capture(mode)
+                        try:
+                            for _ in range(args.layers_per_graph):
+                                step()
+                        finally:
+                            layers_graph = stream.end_capture()
+                        in_model_seconds = gpu_seconds(layers_graph.launch, repeats=args.iters,
+                                                       warmup=2) / args.layers_per_graph
             except Exception as exc:  # noqa: BLE001 - reported in the JSON, eager timing stands
                 graph_error = f"{type(exc).__name__}: {exc}"
             seconds = graph_seconds or eager
@@ -1413,6 +1425,9 @@ def run_layer(args) -> dict:
                            "graph_error": graph_error, "roofline_ms": 1e3 * roofline,
                            "fraction_of_roofline": roofline / seconds, "active_experts": active, "bytes": needed,
                            "breakdown_sum_ms": sum(breakdown["breakdown_ms"].values()), **breakdown,
+                           **({"layers_per_graph": args.layers_per_graph, "in_model_ms": 1e3 * in_model_seconds,
+                               "in_model_fraction_of_roofline": roofline / in_model_seconds}
+                              if in_model_seconds else {}),
                            **({"timeline": timeline} if timeline is not None else {})})
             print(json.dumps(points[-1]), flush=True)
     return {"benchmark": "kimi_k2_layer", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
@@ -2009,6 +2024,9 @@ def main() -> None:
     layer.add_argument("--name", default="kimi_layer", help="results file name (JSON + PNG)")
     layer.add_argument("--timeline", action="store_true",
                        help="also each kernel of the graph-replayed step as the device ran it (torch's profiler)")
+    layer.add_argument("--layers-per-graph", type=int, default=1,
+                       help="also time N copies of the step captured back to back in one graph, per layer "
+                            "(in_model_ms: a model's step replays its layers so, without a launch per layer)")
     layer.add_argument("--absorbed-kernel", default="", choices=["", "auto", "cuda_cores", "mma"],
                        help="MLA decode kernel (default: $OPENINFER_MLA_DECODE, else core's choice by batch)")
     layer.add_argument("--variants", default="",

@@ -21,7 +21,8 @@ whole forward beside it where it is short (``--prefill-absorbed``).
     python benchmarks/gpu_mla.py --dry-run                # the plan (points, variants, bytes, FLOPs); no GPU
 
 A decode variant is
-``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster[:balance[:barriers[:write_absorb[:rows[:expand[:pdl]]]]]]]]]]]]]``:
+``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster[:balance[:barriers[:write_absorb[:rows[:expand[:pdl]]]]]]]]]]]]]``
+then any core switches as ``+OPENINFER_NAME=VALUE`` (e.g. ``auto+OPENINFER_MLA_FUSED_WRITE=1``):
 kernel ``auto``
 (what ships) or one of core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default) or the tma
 kernel's (16 / 32 / 64), stages the tma kernel's ring depth ($OPENINFER_MLA_TMA_TILE=KEYSxSTAGES), cluster its
@@ -81,7 +82,15 @@ def parse_variants(text: str) -> list[dict]:
     [:pdl]]]]]]]]]]]]]`` comma list → dicts; bad names exit 2 (argparse)."""
     variants = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        fields = item.split(":")
+        # any core switch after the fields: kernel[:...]+OPENINFER_X=V+OPENINFER_Y=W
+        item_fields, *switches = item.split("+")
+        extra = {}
+        for switch in switches:
+            key, sep, value = switch.partition("=")
+            if not sep or not key.startswith("OPENINFER_"):
+                raise ValueError(f"variant {item!r}: a switch is +OPENINFER_NAME=VALUE, got {switch!r}")
+            extra[key] = value
+        fields = item_fields.split(":")
         if len(fields) > 14:
             raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster"
                              "[:balance[:barriers[:write_absorb[:rows[:expand[:pdl]]]]]]]]]]]]]")
@@ -119,7 +128,7 @@ def parse_variants(text: str) -> list[dict]:
         variants.append({"name": item, "kernel": kernel, "keys": keys, "max_splits": splits, "policy": policy,
                          "combine": combine, "q_regs": q_regs, "stages": stages, "cluster": cluster,
                          "balance": balance, "barriers": barriers, "write_absorb": write_absorb,
-                         "rows": rows, "expand": expand, "pdl": pdl})
+                         "rows": rows, "expand": expand, "pdl": pdl, "switches": extra})
     if not variants:
         raise ValueError("no variants")
     return variants
@@ -146,7 +155,7 @@ def variant_switches(variant: dict) -> dict[str, str]:
                 cuda_mla.EXPAND_SMALL_ENV: variant["expand"], cuda_mla.PDL_ENV: variant["pdl"],
                 cuda_mla.MAX_SPLITS_ENV: variant["max_splits"],
                 cuda_mla.SHARED_SPLITS_ENV: variant["policy"], cuda_mla.COMBINE_ENV: variant["combine"],
-                cuda_mla.SHARED_Q_REGS_ENV: variant["q_regs"]}
+                cuda_mla.SHARED_Q_REGS_ENV: variant["q_regs"], **variant.get("switches", {})}
 
 
 def tma_tile_text(variant: dict) -> str:

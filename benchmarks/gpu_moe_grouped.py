@@ -14,8 +14,8 @@ kernel (``ROUTING_VARIANTS``), eager device time.
 
     python benchmarks/gpu_moe_grouped.py routing [--tokens 1024,8192]
 
-``norms``: the per-layer add_rms_norm (plain / ADD_NORM_REGISTERS) and combine + norm (apart / fused) kernels at
-decode sizes, graph replays (``run_norms``).
+``norms``: the per-layer add_rms_norm and combine + norm (apart / fused) kernels at decode sizes, graph replays
+(``run_norms``).
 
     python benchmarks/gpu_moe_grouped.py norms [--tokens 1,16,64]
 """
@@ -278,9 +278,8 @@ NORM_CALLS = 26  # one Moonlight decode step's MoE layers
 
 def run_norms(args) -> dict:
     """The small per-layer kernels after the experts, Moonlight widths (hidden 2048, top-6 + 2 fused shared experts),
-    as CUDA-graph replays of NORM_CALLS calls (device time per call): add_rms_norm's block kernel plain and with
-    ADD_NORM_REGISTERS=1 (its columns in registers), and moe_combine + add_rms_norm against the fused
-    moe_combine_add_rms_norm; each pair's bits compared."""
+    as CUDA-graph replays of NORM_CALLS calls (device time per call): add_rms_norm's block kernel alone, and
+    moe_combine + add_rms_norm against the fused moe_combine_add_rms_norm (their bits compared)."""
     rng = np.random.default_rng(2)
     report = {"benchmark": "moe_norms", "device": device_name(), "hidden": SHAPE["hidden"],
               "top_k_with_shared": SHAPE["top_k"] + 2, "calls_per_graph": NORM_CALLS, "points": []}
@@ -306,25 +305,21 @@ def _norm_point(tokens: int, rng: np.random.Generator) -> dict:
     x, residual, weight = (device_random_bf16(shape) for shape in ((tokens, hidden), (tokens, hidden), (hidden,)))
     threads = _norm_threads(hidden)
 
-    def add_norm(registers: int, combine: bool):
+    def add_norm(combine: bool):
         source = cuda_moe.combine(y, grouping, None, hidden, vectorized=False) if combine else x
         out, residual_out = cupy.empty_like(x), cupy.empty_like(x)
-        kernel("rms_norm.cu", "add_rms_norm", ADD_NORM_REGISTERS=registers)((tokens,), (threads,), (
+        kernel("rms_norm.cu", "add_rms_norm")((tokens,), (threads,), (
             source, residual, weight, out, residual_out, np.int32(hidden), np.float32(eps)))
         return out
 
     calls = {
-        "add_rms_norm": partial(add_norm, 0, False),
-        "add_rms_norm_registers": partial(add_norm, 1, False),
-        "combine_then_add_rms_norm": partial(add_norm, 0, True),
-        "combine_then_add_rms_norm_registers": partial(add_norm, 1, True),
+        "add_rms_norm": partial(add_norm, False),
+        "combine_then_add_rms_norm": partial(add_norm, True),
         "combine_add_rms_norm_fused": lambda: cuda_moe.combine_add_rms_norm(y, grouping, None, residual, weight,
                                                                             eps)[0],
     }
     point = {"tokens": tokens}
     outputs = {name: call().get() for name, call in calls.items()}
-    point["add_rms_norm_registers_bit_equal"] = bool(np.array_equal(outputs["add_rms_norm"],
-                                                                    outputs["add_rms_norm_registers"]))
     point["combine_fused_bit_equal"] = bool(np.array_equal(outputs["combine_then_add_rms_norm"],
                                                            outputs["combine_add_rms_norm_fused"]))
     for name, call in calls.items():

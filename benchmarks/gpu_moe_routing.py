@@ -38,6 +38,12 @@ PATHS = {
                      "moe_router_route_sort: one launch (1-4 tokens)"),
     "route_decode": ({"OPENINFER_MOE_ROUTE_SORT": "1", "OPENINFER_MOE_ROUTE_DECODE": "1"},
                      "moe_route_decode: one launch, logits by warps + the last block's top-k and grouping"),
+    "route_decode_w4": ({"OPENINFER_MOE_ROUTE_SORT": "1", "OPENINFER_MOE_ROUTE_DECODE": "1",
+                         "OPENINFER_MOE_ROUTE_DECODE_WARPS": "4"}, "moe_route_decode, blocks of 4 warps"),
+    "route_decode_w8": ({"OPENINFER_MOE_ROUTE_SORT": "1", "OPENINFER_MOE_ROUTE_DECODE": "1",
+                         "OPENINFER_MOE_ROUTE_DECODE_WARPS": "8"}, "moe_route_decode, blocks of 8 warps"),
+    "route_decode_smem": ({"OPENINFER_MOE_ROUTE_SORT": "1", "OPENINFER_MOE_ROUTE_DECODE": "1",
+                           "OPENINFER_MOE_ROUTE_DECODE_GATE": "shared"}, "moe_route_decode, router rows in shared memory"),
     "logits": ({"OPENINFER_MOE_ROUTER_BLOCKS": "0"}, "moe_router_logits alone"),
     "logits_blocks": ({"OPENINFER_MOE_ROUTER_BLOCKS": "1"}, "moe_router_logits_blocks alone (1-4 tokens)"),
 }

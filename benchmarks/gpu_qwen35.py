@@ -155,8 +155,7 @@ PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the c
 PREFILL_VARIANTS = {name: {PREFILL_ENV: name}
                     for name in ("plain", "split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma",
                                  "grouped_conv", "grouped_out", "grouped_staged", "grouped_coalesced",
-                                 "grouped_f16", "chunked_fp32", "chunked_split", "chunked_split_f16",
-                                 "chunked_split_f16_x3", "chunked_split_f16_pipe")}
+                                 "grouped_f16", "chunked_fp32", "chunked_split", "chunked_split_f16")}
 # the token-by-token kernels for every step (issue #17: the accuracy reference of the chunked prefill; what
 # prefill costs at its accuracy)
 PREFILL_VARIANTS["recurrent"] = {KERNELS_ENV: "recurrent"}
@@ -956,12 +955,8 @@ SPLIT_PHASES = {"gdn_chunk_prepare_split": ("raw q / k / v staged, gates", "cumu
                                          "state update (tensor cores), planes", "state stored")}
 SPLIT_PHASES["gdn_chunk_prepare_split_f16"] = SPLIT_PHASES["gdn_chunk_prepare_split"]
 SPLIT_PHASES["gdn_chunk_walk_split_f16"] = SPLIT_PHASES["gdn_chunk_walk_split"]
-SPLIT_PHASES["gdn_chunk_walk_split_f16_x3"] = SPLIT_PHASES["gdn_chunk_walk_split"]
-SPLIT_PHASES["gdn_chunk_walk_split_f16_pipe"] = SPLIT_PHASES["gdn_chunk_walk_split"]
 SPLIT_CHAINS = {"chunked_split": ("gdn_chunk_prepare_split", "gdn_chunk_walk_split"),  # (prepare, walk)
-                "chunked_split_f16": ("gdn_chunk_prepare_split_f16", "gdn_chunk_walk_split_f16"),
-                "chunked_split_f16_x3": ("gdn_chunk_prepare_split_f16", "gdn_chunk_walk_split_f16_x3"),
-                "chunked_split_f16_pipe": ("gdn_chunk_prepare_split_f16", "gdn_chunk_walk_split_f16_pipe")}
+                "chunked_split_f16": ("gdn_chunk_prepare_split_f16", "gdn_chunk_walk_split_f16")}
 
 
 def split_phase_cycles(prompts: int = 8, length: int = 1024, chain: str = "chunked_split") -> dict:

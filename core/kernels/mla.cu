@@ -158,18 +158,19 @@ extern "C" __global__ void mla_write_latent_gather_q(const bf16* __restrict__ kv
 // `w` holds this thread's NOPE_DIM / 16 rows of 8 columns (loaded by the caller: all in flight at once), q_nope of
 // every row goes through shared memory (rows q_token_stride elements apart, heads q_stride apart), the row groups are
 // summed by shuffles and through shared memory in a fixed order.
+template <int MAX_TOKENS>
 __device__ __forceinline__ void mla_absorb_columns(const uint4 (&w)[ABSORB_ROWS], const bf16* __restrict__ q,
                                                    long long q_token_stride, int q_stride, int num_heads,
                                                    int num_tokens, bf16* __restrict__ q_latent, int h, int c,
-                                                   bf16 (&q_nope)[ABSORB_MAX_TOKENS][NOPE_DIM],
-                                                   float (&warp_sums)[ABSORB_THREADS / 32][ABSORB_MAX_TOKENS][ABSORB_COLUMNS]) {
+                                                   bf16 (&q_nope)[MAX_TOKENS][NOPE_DIM],
+                                                   float (&warp_sums)[ABSORB_THREADS / 32][MAX_TOKENS][ABSORB_COLUMNS]) {
     const int group = threadIdx.x & 7, row_group = threadIdx.x >> 3;  // 8 columns, ABSORB_ROWS nope rows
     for (int i = threadIdx.x; i < num_tokens * NOPE_DIM; i += ABSORB_THREADS)
         q_nope[i / NOPE_DIM][i % NOPE_DIM] = q[(long long)(i / NOPE_DIM) * q_token_stride + (long long)h * q_stride + i % NOPE_DIM];
     __syncthreads();
-    float acc[ABSORB_MAX_TOKENS][8];
+    float acc[MAX_TOKENS][8];
 #pragma unroll
-    for (int t = 0; t < ABSORB_MAX_TOKENS; ++t)
+    for (int t = 0; t < MAX_TOKENS; ++t)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
 #pragma unroll
@@ -183,7 +184,7 @@ __device__ __forceinline__ void mla_absorb_columns(const uint4 (&w)[ABSORB_ROWS]
             weight[2 * e + 1] = f.y;
         }
 #pragma unroll
-        for (int t = 0; t < ABSORB_MAX_TOKENS; ++t) {
+        for (int t = 0; t < MAX_TOKENS; ++t) {
             if (t >= num_tokens) break;  // block-uniform
             const float x = __bfloat162float(q_nope[t][row_group * ABSORB_ROWS + r]);
 #pragma unroll
@@ -192,7 +193,7 @@ __device__ __forceinline__ void mla_absorb_columns(const uint4 (&w)[ABSORB_ROWS]
     }
     // the row groups: 4 per warp by shuffles (lanes 8 and 16 apart), then the 4 warps through shared memory
 #pragma unroll
-    for (int t = 0; t < ABSORB_MAX_TOKENS; ++t) {
+    for (int t = 0; t < MAX_TOKENS; ++t) {
         if (t >= num_tokens) break;  // block-uniform
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
@@ -224,17 +225,20 @@ __device__ __forceinline__ void mla_absorb_weights(uint4 (&w)[ABSORB_ROWS], cons
 // q_token_stride elements apart: a row view of the projection is read in place): mla_write_absorb's blocks without
 // the latent write (mla_attention_tma does it under TMA_FUSED_WRITE). The weights are loaded before the programmatic
 // wait (MLA_PDL): constant, their stream overlaps the kernel before. grid (num_heads, KV_LORA / 64), ABSORB_THREADS.
+#ifndef ABSORB_SMALL_TOKENS
+#define ABSORB_SMALL_TOKENS ABSORB_MAX_TOKENS  // the most rows of a mla_absorb_small build (core builds 4 and 16)
+#endif
 extern "C" __global__ void __launch_bounds__(ABSORB_THREADS)
 mla_absorb_small(const bf16* __restrict__ q, int q_token_stride, int q_stride, int num_heads, int num_tokens,
                  const bf16* __restrict__ w_uk /* [H, NOPE_DIM, KV_LORA] */, bf16* __restrict__ q_latent) {
-    __shared__ bf16 q_nope[ABSORB_MAX_TOKENS][NOPE_DIM];
-    __shared__ float warp_sums[ABSORB_THREADS / 32][ABSORB_MAX_TOKENS][ABSORB_COLUMNS];
+    __shared__ bf16 q_nope[ABSORB_SMALL_TOKENS][NOPE_DIM];
+    __shared__ float warp_sums[ABSORB_THREADS / 32][ABSORB_SMALL_TOKENS][ABSORB_COLUMNS];
     mla_pdl_launch_dependents();
     uint4 w[ABSORB_ROWS];
     mla_absorb_weights(w, w_uk, blockIdx.x, blockIdx.y);
     mla_pdl_wait();
-    mla_absorb_columns(w, q, q_token_stride, q_stride, num_heads, num_tokens, q_latent, blockIdx.x, blockIdx.y, q_nope,
-                       warp_sums);
+    mla_absorb_columns<ABSORB_SMALL_TOKENS>(w, q, q_token_stride, q_stride, num_heads, num_tokens, q_latent, blockIdx.x,
+                                            blockIdx.y, q_nope, warp_sums);
 }
 
 // mla_write_latent and W_UK (q_latent[t, h] = q_nope[t, h] · W_UK[h]) in one launch, for steps of at most
@@ -256,8 +260,8 @@ mla_write_absorb(const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __r
     const int h = blockIdx.x, c = blockIdx.y, rope_half = ROPE_DIM / 2;
     uint4 w[ABSORB_ROWS];
     mla_absorb_weights(w, w_uk, h, c);
-    mla_absorb_columns(w, q, (long long)num_heads * q_stride, q_stride, num_heads, num_tokens, q_latent, h, c, q_nope,
-                       warp_sums);
+    mla_absorb_columns<ABSORB_MAX_TOKENS>(w, q, (long long)num_heads * q_stride, q_stride, num_heads, num_tokens,
+                                          q_latent, h, c, q_nope, warp_sums);
     if (c == 0) {
         for (int i = threadIdx.x; i < num_tokens * rope_half; i += ABSORB_THREADS) {
             const int t = i / rope_half;
@@ -291,10 +295,23 @@ extern "C" __global__ void __launch_bounds__(32 * EXPAND_WARPS)
 mla_expand_small(const bf16* __restrict__ o_latent /* [T, H, KV_LORA] */, const bf16* __restrict__ w_uv /* [H, V_DIM, KV_LORA] */,
                  int num_tokens, int num_heads, bf16* __restrict__ out /* [T, H·V_DIM] */) {
     __shared__ float partial[EXPAND_WARPS][EXPAND_MAX_TOKENS][EXPAND_COLUMNS];
-    mla_pdl_enter();
     const int h = blockIdx.x, column0 = blockIdx.y * EXPAND_COLUMNS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group = lane >> 2, pair = (lane & 3) * 2;
     constexpr int STEPS = KV_LORA / EXPAND_WARPS / 16;
+    // every step's weight fragments (columns 8n + group, dims k0 (+1) and k0 + 8 (+9)) in flight together, and before
+    // the programmatic wait (MLA_PDL): W_UV is constant, its stream overlaps the kernel before
+    mla_pdl_launch_dependents();
+    const bf16* weights = w_uv + ((long long)h * V_DIM + column0) * KV_LORA;
+    unsigned b[STEPS][2][2];
+#pragma unroll
+    for (int step = 0; step < STEPS; ++step)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            const bf16* row = weights + (long long)(8 * n + group) * KV_LORA + (warp * STEPS + step) * 16 + pair;
+            b[step][n][0] = *reinterpret_cast<const unsigned*>(row);
+            b[step][n][1] = *reinterpret_cast<const unsigned*>(row + 8);
+        }
+    mla_pdl_wait();
     float acc[EXPAND_MAX_TOKENS / 16][2][4];
 #pragma unroll
     for (int m = 0; m < EXPAND_MAX_TOKENS / 16; ++m)
@@ -302,17 +319,9 @@ mla_expand_small(const bf16* __restrict__ o_latent /* [T, H, KV_LORA] */, const 
         for (int n = 0; n < 2; ++n)
 #pragma unroll
             for (int v = 0; v < 4; ++v) acc[m][n][v] = 0.f;
-    const bf16* weights = w_uv + ((long long)h * V_DIM + column0) * KV_LORA;
-#pragma unroll  // every step's fragment loads in flight together (E1: 2 at a time, 4.9 vs cuBLAS's 4.1 us at 1 row)
+#pragma unroll
     for (int step = 0; step < STEPS; ++step) {
         const int k0 = (warp * STEPS + step) * 16 + pair;
-        unsigned b[2][2];  // columns 8n + group, dims k0 (+1) and k0 + 8 (+9)
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-            const bf16* row = weights + (long long)(8 * n + group) * KV_LORA + k0;
-            b[n][0] = *reinterpret_cast<const unsigned*>(row);
-            b[n][1] = *reinterpret_cast<const unsigned*>(row + 8);
-        }
 #pragma unroll
         for (int m = 0; m < EXPAND_MAX_TOKENS / 16; ++m) {
             if (16 * m >= num_tokens) break;  // warp-uniform
@@ -324,8 +333,8 @@ mla_expand_small(const bf16* __restrict__ o_latent /* [T, H, KV_LORA] */, const 
             a[1] = t_hi < num_tokens ? *reinterpret_cast<const unsigned*>(hi) : 0u;
             a[2] = t_lo < num_tokens ? *reinterpret_cast<const unsigned*>(lo + 8) : 0u;
             a[3] = t_hi < num_tokens ? *reinterpret_cast<const unsigned*>(hi + 8) : 0u;
-            mma_bf16_16816(acc[m][0], a, b[0][0], b[0][1]);
-            mma_bf16_16816(acc[m][1], a, b[1][0], b[1][1]);
+            mma_bf16_16816(acc[m][0], a, b[step][0][0], b[step][0][1]);
+            mma_bf16_16816(acc[m][1], a, b[step][1][0], b[step][1][1]);
         }
     }
 #pragma unroll

@@ -86,7 +86,14 @@
 #define BOX_BYTES (TMA_BOX_ROWS * 128)
 #define EXCHANGE_FLOAT4S (TMA_WARPS * KEY_TILES * 32)  // each warp's partial scores, a float4 per lane and n8 tile
 #define EXCHANGE_BYTES ((1 + TMA_ONE_BARRIER) * EXCHANGE_FLOAT4S * 16)
-#define TMA_SMEM (1024 + TMA_STAGES * TILE_BYTES + EXCHANGE_BYTES + 8 * TMA_STAGES)
+// 1: the block's 16 query rows [q_latent | q_pe] staged in shared memory by 16-byte loads (coalesced: 9 per thread),
+// each warp's A fragments then by ldmatrix, instead of 36 scattered 4-byte global loads per thread. The same values.
+#ifndef TMA_Q_TILE
+#define TMA_Q_TILE 0
+#endif
+#define Q_ROW (LATENT + 8)  // bf16 per staged query row: 1,168 bytes = 73 x 16, ldmatrix rows in distinct banks
+#define Q_TILE_BYTES (TMA_Q_TILE ? 16 + TMA_HEADS * Q_ROW * 2 : 0)
+#define TMA_SMEM (1024 + TMA_STAGES * TILE_BYTES + EXCHANGE_BYTES + 8 * TMA_STAGES + Q_TILE_BYTES)
 static_assert(LATENT % 64 == 0 && (LATENT / 16) % TMA_WARPS == 0, "latent rows of whole 64-column blocks, split 4 ways");
 static_assert(KV_LORA % (16 * TMA_WARPS) == 0, "output quarters of 16-dim steps");
 static_assert(TMA_KEYS == 16 || TMA_KEYS == 32 || TMA_KEYS == 64, "tiles of 16, 32 or 64 keys");
@@ -165,12 +172,6 @@ __device__ __forceinline__ unsigned key_pair_mask(int key, int end) {
     return (key < end ? 0x0000ffffu : 0u) | (key + 1 < end ? 0xffff0000u : 0u);
 }
 
-#ifndef TMA_FAST_SEARCH
-#define TMA_FAST_SEARCH 0  // 1: mla_split_context's sequence search (and the balance total) in one round of loads
-#endif
-#ifndef TMA_FUSED_COMBINE
-#define TMA_FUSED_COMBINE 0  // 1: the last split of a (token, head block) to finish combines the partials (below)
-#endif
 // 1: mla_write_latent folded in, for steps of one new token per sequence (token_list null, row t = step token t):
 // the split that holds the token's own position computes its latent row (RMS-normed c_kv, rotated k_pe: mla_latent_row,
 // the write kernel's sums) from kv_a, head block 0 stores it at slot_mapping[t], and the tile that holds the position
@@ -181,87 +182,6 @@ __device__ __forceinline__ unsigned key_pair_mask(int key, int end) {
 #ifndef TMA_FUSED_WRITE
 #define TMA_FUSED_WRITE 0
 #endif
-
-// TMA_FUSED_COMBINE: whether this CTA is the last of its (token, head block)'s num_splits CTAs to finish. Every
-// thread's partial writes are made visible device-wide first (fence, then the block barrier), thread 0 counts the
-// CTA on split_counts[slot] and the last one resets the count to 0 for the next launch (a captured graph replays
-// with the counts back at 0). Block-wide: every thread calls it.
-__device__ __forceinline__ bool tma_last_split(int* split_counts, int slot, int num_splits) {
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(split_counts + slot, 1) == num_splits - 1;
-        if (last) split_counts[slot] = 0;  // every other CTA of the slot has counted: nobody else touches it now
-    }
-    __syncthreads();
-    if (last) __threadfence();  // the other CTAs' partials are read after their counts (acquire side)
-    return last;
-}
-
-// mla_combine_splits_flat's sums for `heads` heads from row head_row of the partials, by one CTA (the last split's):
-// the same weights (a rounded product), the same total and the same fused multiply-adds in split order: bit-equal
-// to the combine kernels. Each head's split weights first go to `scratch` (the drained ring: [TMA_HEADS][num_splits]
-// weights, [TMA_HEADS] totals, the (max, sum) pairs, all loaded in one round), then every thread loads all splits'
-// float4 of its output dims at once. The
-// partials were written by other CTAs of this grid: read through L2 (ld.global.cg), never the read-only path. One
-// SM reads heads x num_splits x KV_LORA x 4 bytes: worth it for few splits only (core's FUSED_COMBINE_MAX_SPLITS).
-#define FUSED_COMBINE_MAX_SPLITS 8  // core's mla_decode_sm90.FUSED_COMBINE_MAX_SPLITS: launches of more splits
-                                    // never pass split_counts
-__device__ __forceinline__ void tma_combine_splits(const float* partial_o, const float* partial_ml, int num_splits,
-                                                   long long head_row, int heads, bf16* __restrict__ out,
-                                                   float* scratch) {
-    float* weights = scratch;                              // [TMA_HEADS][num_splits], < 0: an empty split
-    float* totals = scratch + TMA_HEADS * num_splits;      // [TMA_HEADS], < 0: written whole (skipped)
-    float2* ml = reinterpret_cast<float2*>(totals + TMA_HEADS);  // [TMA_HEADS][num_splits] (max, sum)
-    for (int i = threadIdx.x; i < heads * num_splits; i += TMA_THREADS)  // every (max, sum) in one round of loads
-        ml[i] = __ldcg(reinterpret_cast<const float2*>(partial_ml) + head_row * num_splits + i);
-    __syncthreads();
-    if (threadIdx.x < heads) {
-        const int h = threadIdx.x;
-        float m = -INFINITY;
-        for (int z = 0; z < num_splits; ++z)
-            if (ml[h * num_splits + z].y > 0.f) m = fmaxf(m, ml[h * num_splits + z].x);
-        float total = 0.f;  // in split order, as mla_combine_splits sums
-        for (int z = 0; z < num_splits; ++z) {
-            const float2 split = ml[h * num_splits + z];
-            const float weight = split.y > 0.f ? __fmul_rn(__expf(split.x - m), split.y) : -1.f;
-            weights[h * num_splits + z] = weight;
-            if (weight >= 0.f) total += weight;
-        }
-        totals[h] = ml[h * num_splits].x == INFINITY ? -1.f : total;  // written whole by its one split (balanced)
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < heads * (KV_LORA / 4); i += TMA_THREADS) {
-        const int h = i / (KV_LORA / 4), d = (i % (KV_LORA / 4)) * 4;
-        const float total = totals[h];
-        if (total < 0.f) continue;
-        const long long head = head_row + h;
-        const float* column = partial_o + head * num_splits * KV_LORA + d;
-        float4 o[FUSED_COMBINE_MAX_SPLITS];
-#pragma unroll
-        for (int z = 0; z < FUSED_COMBINE_MAX_SPLITS; ++z)  // every split's dims in flight at once
-            o[z] = z < num_splits && weights[h * num_splits + z] >= 0.f
-                       ? __ldcg(reinterpret_cast<const float4*>(column + (long long)z * KV_LORA))
-                       : make_float4(0.f, 0.f, 0.f, 0.f);
-        float sum[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int z = 0; z < FUSED_COMBINE_MAX_SPLITS; ++z) {
-            const float weight = z < num_splits ? weights[h * num_splits + z] : -1.f;
-            if (weight < 0.f) continue;
-            sum[0] = fmaf(weight, o[z].x, sum[0]);
-            sum[1] = fmaf(weight, o[z].y, sum[1]);
-            sum[2] = fmaf(weight, o[z].z, sum[2]);
-            sum[3] = fmaf(weight, o[z].w, sum[3]);
-        }
-        __nv_bfloat162 pairs[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-            pairs[e] = __floats2bfloat162_rn(total > 0.f ? sum[2 * e] / total : 0.f,
-                                             total > 0.f ? sum[2 * e + 1] / total : 0.f);
-        *reinterpret_cast<uint2*>(out + head * KV_LORA + d) = *reinterpret_cast<const uint2*>(pairs);
-    }
-}
 
 // grid (T, ceil(num_heads / 16), num_splits), TMA_THREADS threads, TMA_SMEM bytes of dynamic shared memory.
 // Arguments as mla_attention_mma_shared's, then the cache's tensor map (cache_map).
@@ -274,7 +194,7 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
                   int block_size, const int* __restrict__ query_start, int num_seqs,
                   const int* __restrict__ positions, int num_heads, float scale, bf16* __restrict__ out,
                   int num_splits, float* __restrict__ partial_o, float* __restrict__ partial_ml,
-                  const int* __restrict__ token_list, int balance_slots, int* __restrict__ split_counts,
+                  const int* __restrict__ token_list, int balance_slots,
                   const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __restrict__ norm_weight, float eps,
                   const int* __restrict__ slot_mapping, const float* __restrict__ cos_table,
                   const float* __restrict__ sin_table, int q_token_stride, const __grid_constant__ TensorMap cache_map) {
@@ -284,6 +204,7 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
                                                  (base - (u32)__cvta_generic_to_shared(smem_raw)) +
                                                  TMA_STAGES * TILE_BYTES);  // [warp][n8 tile][lane]
     const u32 bars = base + TMA_STAGES * TILE_BYTES + EXCHANGE_BYTES;        // [stage] full barriers
+    const u32 q_tile = (bars + 8 * TMA_STAGES + 15) & ~15u;                     // TMA_Q_TILE: [16][Q_ROW] bf16
     const int t = blockIdx.x;
     const int step_token = token_list ? token_list[t] : t;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -291,44 +212,9 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     const int heads = min(TMA_HEADS, num_heads - head0);
     const int split = blockIdx.z;
     int begin, end;
-#if TMA_FAST_SEARCH
-    // The sequence of the token and (balanced splits) the launch's total context in one round of loads and one
-    // block barrier, not a binary search's dependent loads and then a second round for the total.
-    const bool balanced = TMA_CLUSTER == 1 && balance_slots > 0 && num_splits > 1;
-    const int context = positions[step_token] + 1;
-    const int* table;
-    int total = 0;
-    {
-        __shared__ int warp_counts[TMA_WARPS][2];
-        int seq = 0;
-        const int items = balanced ? max(num_seqs, (int)gridDim.x) : num_seqs;
-        for (int i = threadIdx.x; i < items; i += TMA_THREADS) {
-            if (i >= 1 && i < num_seqs) seq += query_start[i] <= step_token;
-            if (balanced && i < gridDim.x) total += positions[token_list ? token_list[i] : i] + 1;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            seq += __shfl_xor_sync(0xffffffffu, seq, o);
-            total += __shfl_xor_sync(0xffffffffu, total, o);
-        }
-        if (lane == 0) {
-            warp_counts[warp][0] = seq;
-            warp_counts[warp][1] = total;
-        }
-        __syncthreads();
-        seq = total = 0;
-#pragma unroll
-        for (int w = 0; w < TMA_WARPS; ++w) {
-            seq += warp_counts[w][0];
-            total += warp_counts[w][1];
-        }
-        table = block_tables + (long long)seq * max_blocks_per_seq;
-    }
-#else
     const int* table = mla_split_context<TMA_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq, positions,
                                                    step_token, num_splits, split, begin, end);
     const int context = positions[step_token] + 1;
-#endif
     // TMA_FUSED_WRITE: the splits cut the cached keys (context − 1) and the last one also takes the token's own row,
     // which comes from shared memory (no copy): a decode context of n splits' whole tiles + 1 no longer rounds every
     // split up by a tile (1,025 keys over 16 splits: 64 keys each, not 96 over 11).
@@ -341,7 +227,6 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
 #if TMA_CLUSTER == 1  // (clusters never balance: their splits always combine on chip)
     bool whole = num_splits == 1;  // this split is the token's only one: o_latent written here
     if (balance_slots > 0 && num_splits > 1) {
-#if !TMA_FAST_SEARCH
         __shared__ int warp_totals[TMA_WARPS];
         int total = 0;
         for (int i = threadIdx.x; i < gridDim.x; i += TMA_THREADS) total += positions[token_list ? token_list[i] : i] + 1;
@@ -352,7 +237,6 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         total = 0;
 #pragma unroll
         for (int w = 0; w < TMA_WARPS; ++w) total += warp_totals[w];
-#endif
         const int length = max(TMA_KEYS, (total + balance_slots - 1) / balance_slots);
         const int n = min(num_splits, max(1, (split_context + length / 2) / length));
         const int per_split = ((split_context + n - 1) / n + TMA_KEYS - 1) / TMA_KEYS * TMA_KEYS;
@@ -398,11 +282,6 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
             partial_ml[(head * num_splits + split) * 2] = -INFINITY;
             partial_ml[(head * num_splits + split) * 2 + 1] = 0.f;
         }
-#if TMA_CLUSTER == 1 && TMA_FUSED_COMBINE
-        if (split_counts && tma_last_split(split_counts, t * gridDim.y + blockIdx.y, num_splits))
-            tma_combine_splits(partial_o, partial_ml, num_splits, (long long)t * num_heads + head0, heads, out,
-                               reinterpret_cast<float*>(exchange) - TMA_STAGES * TILE_BYTES / 4);
-#endif
         return;  // block-uniform
     }
     if (threadIdx.x == 0 && num_tiles > 0) {
@@ -421,19 +300,45 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     const bool own_row = end == own_position + 1;  // this split holds the token's own position (block-uniform)
     const float* cos_row = cos_table + (long long)own_position * (ROPE_DIM / 2);
     const float* sin_row = sin_table + (long long)own_position * (ROPE_DIM / 2);
-    if (own_row) {  // computed while the first tiles are in flight
-        mla_latent_row(kv_a + (long long)step_token * kv_a_stride, norm_weight, eps, cos_row, sin_row, own_latent, true,
-                       own_scratch);
-        __syncthreads();
-        const int slot = slot_mapping[step_token];
-        if (blockIdx.y == 0 && slot >= 0 && threadIdx.x < LATENT / 8)  // the cache is written here, never read
-            reinterpret_cast<uint4*>(const_cast<bf16*>(cache) + (long long)slot * LATENT)[threadIdx.x] =
-                reinterpret_cast<const uint4*>(own_latent)[threadIdx.x];
-    }
 #endif
     // this warp's query A fragments: heads group, group + 8; dims of its score steps (zeros past `heads`)
     unsigned qf[SCORE_STEPS][4];
+#if TMA_Q_TILE
+    // the 16 query rows' global loads first, all in flight (q_latent: 8 x 16 bytes a thread; q_pe: one 16-byte piece
+    // a thread, with its rope partner under the fused write), stored to shared memory after the own row
+    constexpr int Q_ITEMS = TMA_HEADS * (KV_LORA / 8) / TMA_THREADS;
+    static_assert(TMA_HEADS * (KV_LORA / 8) % TMA_THREADS == 0 && TMA_HEADS * (ROPE_DIM / 8) == TMA_THREADS,
+                  "whole 16-byte pieces of the query rows per thread");
+    uint4 staged[Q_ITEMS];
+#pragma unroll
+    for (int k = 0; k < Q_ITEMS; ++k) {
+        const int i = threadIdx.x + k * TMA_THREADS, h = i / (KV_LORA / 8), d = (i % (KV_LORA / 8)) * 8;
+        staged[k] = h < heads ? *reinterpret_cast<const uint4*>(q_latent + ((long long)t * num_heads + head0 + h) *
+                                                                KV_LORA + d)
+                              : make_uint4(0u, 0u, 0u, 0u);
+    }
+    const int pe_head = threadIdx.x / (ROPE_DIM / 8), pe_dim = (threadIdx.x % (ROPE_DIM / 8)) * 8;
+    uint4 pe_self = make_uint4(0u, 0u, 0u, 0u);
 #if TMA_FUSED_WRITE
+    uint4 pe_other = make_uint4(0u, 0u, 0u, 0u);
+    const int half = ROPE_DIM / 2, pe_pair = pe_dim < half ? pe_dim : pe_dim - half;
+    float pe_cos[8], pe_sin[8];
+    if (pe_head < heads) {
+        const bf16* pe = q + (long long)t * q_token_stride + (long long)(head0 + pe_head) * q_stride + q_pe_offset;
+        pe_self = *reinterpret_cast<const uint4*>(pe + pe_dim);
+        pe_other = *reinterpret_cast<const uint4*>(pe + (pe_dim < half ? pe_dim + half : pe_dim - half));
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        pe_cos[e] = cos_row[pe_pair + e];
+        pe_sin[e] = sin_row[pe_pair + e];
+    }
+#else
+    if (pe_head < heads)
+        pe_self = *reinterpret_cast<const uint4*>(q + ((long long)t * num_heads + head0 + pe_head) * q_stride +
+                                                  q_pe_offset + pe_dim);
+#endif
+#elif TMA_FUSED_WRITE
     {  // q_latent as it is; q's rope dims from the projection's rows, rotated here
         const int half = ROPE_DIM / 2;
 #pragma unroll
@@ -481,6 +386,55 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
                 qf[kk][part] = valid ? *reinterpret_cast<const unsigned*>(src) : 0u;
             }
         }
+    }
+#endif
+#if TMA_FUSED_WRITE
+    if (own_row) {  // computed while the first tiles and the query loads are in flight
+        mla_latent_row(kv_a + (long long)step_token * kv_a_stride, norm_weight, eps, cos_row, sin_row, own_latent, true,
+                       own_scratch);
+        __syncthreads();
+        const int slot = slot_mapping[step_token];
+        if (blockIdx.y == 0 && slot >= 0 && threadIdx.x < LATENT / 8)  // the cache is written here, never read
+            reinterpret_cast<uint4*>(const_cast<bf16*>(cache) + (long long)slot * LATENT)[threadIdx.x] =
+                reinterpret_cast<const uint4*>(own_latent)[threadIdx.x];
+    }
+#endif
+#if TMA_Q_TILE
+    {
+#pragma unroll
+        for (int k = 0; k < Q_ITEMS; ++k) {
+            const int i = threadIdx.x + k * TMA_THREADS, h = i / (KV_LORA / 8), d = (i % (KV_LORA / 8)) * 8;
+            const uint4 v = staged[k];
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(q_tile + (h * Q_ROW + d) * 2), "r"(v.x),
+                         "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+        }
+        uint4 v = pe_self;
+#if TMA_FUSED_WRITE  // q's rope dims rotated on the way (8 of a half with their 8 partners)
+        {
+            const bf16* self8 = reinterpret_cast<const bf16*>(&pe_self);
+            const bf16* other8 = reinterpret_cast<const bf16*>(&pe_other);
+            unsigned out[4];
+#pragma unroll
+            for (int e = 0; e < 8; e += 2) {
+                float rotated[2];
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    const float x_self = __bfloat162float(self8[e + k]), x_other = __bfloat162float(other8[e + k]);
+                    rotated[k] = pe_dim < half ? mla_rope_pair(x_self, x_other, pe_cos[e + k], pe_sin[e + k]).x
+                                               : mla_rope_pair(x_other, x_self, pe_cos[e + k], pe_sin[e + k]).y;
+                }
+                out[e / 2] = pack_bf16x2(rotated[0], rotated[1]);
+            }
+            v = pe_head < heads ? make_uint4(out[0], out[1], out[2], out[3]) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#endif
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(q_tile + (pe_head * Q_ROW + KV_LORA + pe_dim) * 2),
+                     "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+        __syncthreads();
+        const int a_row = lane & 15, a_col = 8 * (lane >> 4);  // A fragment rows (heads) and 8-dim halves
+#pragma unroll
+        for (int kk = 0; kk < SCORE_STEPS; ++kk)
+            ldmatrix_x4_at(qf[kk], q_tile + (a_row * Q_ROW + (warp * SCORE_STEPS + kk) * 16 + a_col) * 2);
     }
 #endif
     float acc[OUT_DIMS / 8][4];
@@ -687,10 +641,5 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
             partial_ml[(head * num_splits + split) * 2 + 1] = row_sum[r];
         }
     }
-#if TMA_FUSED_COMBINE
-    if (num_splits > 1 && split_counts && tma_last_split(split_counts, t * gridDim.y + blockIdx.y, num_splits))
-        tma_combine_splits(partial_o, partial_ml, num_splits, (long long)t * num_heads + head0, heads, out,
-                           reinterpret_cast<float*>(exchange) - TMA_STAGES * TILE_BYTES / 4);  // the drained ring
-#endif
 #endif
 }

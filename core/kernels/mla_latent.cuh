@@ -14,23 +14,39 @@ __device__ __forceinline__ float2 mla_rope_pair(float x1, float x2, float c, flo
 
 // The latent row of one new token, RMS-normed c_kv (kv_a_layernorm) and rotated k_pe, into `out` (LATENT bf16: a
 // cache slot or shared memory); store false: the norm's barriers only, nothing written. Block-wide: every thread of
-// the block calls it (the sum's order depends on blockDim.x: every caller runs 128 threads).
+// the block calls it, and every caller runs MLA_ROW_THREADS threads (the sum's order depends on it). Every global load
+// (the row, the norm weights, the rope pair and its cos / sin) is issued first, in one round, before the sum.
+#define MLA_ROW_THREADS 128
+#define MLA_ROW_ITEMS ((KV_LORA + MLA_ROW_THREADS - 1) / MLA_ROW_THREADS)
 __device__ __forceinline__ void mla_latent_row(const bf16* __restrict__ row, const bf16* __restrict__ norm_weight,
                                                float eps, const float* cos_row, const float* sin_row, bf16* out,
                                                bool store, float* scratch) {
     const int half = ROPE_DIM / 2;
-    float sum = 0.f;
-    for (int i = threadIdx.x; i < KV_LORA; i += blockDim.x) {
-        const float v = __bfloat162float(row[i]);
-        sum += v * v;
+    float value[MLA_ROW_ITEMS], weight[MLA_ROW_ITEMS];
+#pragma unroll
+    for (int k = 0; k < MLA_ROW_ITEMS; ++k) {
+        const int i = threadIdx.x + k * MLA_ROW_THREADS;
+        value[k] = i < KV_LORA ? __bfloat162float(row[i]) : 0.f;
+        weight[k] = i < KV_LORA ? __bfloat162float(norm_weight[i]) : 0.f;
     }
+    const bool pe = threadIdx.x < half;
+    const float x1 = pe ? __bfloat162float(row[KV_LORA + threadIdx.x]) : 0.f;
+    const float x2 = pe ? __bfloat162float(row[KV_LORA + half + threadIdx.x]) : 0.f;
+    const float c = pe ? cos_row[threadIdx.x] : 0.f, s = pe ? sin_row[threadIdx.x] : 0.f;
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < MLA_ROW_ITEMS; ++k)
+        if (threadIdx.x + k * MLA_ROW_THREADS < KV_LORA) sum += value[k] * value[k];
     const float inv_rms = rsqrtf(block_sum(sum, scratch) / KV_LORA + eps);
-    for (int i = threadIdx.x; i < KV_LORA && store; i += blockDim.x)
-        out[i] = __float2bfloat16_rn(round_bf16(__bfloat162float(row[i]) * inv_rms) * __bfloat162float(norm_weight[i]));
-    for (int i = threadIdx.x; i < half && store; i += blockDim.x) {
-        const float2 r = mla_rope_pair(__bfloat162float(row[KV_LORA + i]), __bfloat162float(row[KV_LORA + half + i]),
-                                       cos_row[i], sin_row[i]);
-        out[KV_LORA + i] = __float2bfloat16_rn(r.x);
-        out[KV_LORA + half + i] = __float2bfloat16_rn(r.y);
+    if (!store) return;
+#pragma unroll
+    for (int k = 0; k < MLA_ROW_ITEMS; ++k) {
+        const int i = threadIdx.x + k * MLA_ROW_THREADS;
+        if (i < KV_LORA) out[i] = __float2bfloat16_rn(round_bf16(value[k] * inv_rms) * weight[k]);
+    }
+    if (pe) {
+        const float2 r = mla_rope_pair(x1, x2, c, s);
+        out[KV_LORA + threadIdx.x] = __float2bfloat16_rn(r.x);
+        out[KV_LORA + half + threadIdx.x] = __float2bfloat16_rn(r.y);
     }
 }

@@ -570,6 +570,352 @@ moe_router_route_sort(const bf16* __restrict__ x, const bf16* __restrict__ gate,
                      sorted_slots, slot_pos, tile_expert, tile_row, num_tiles, max_tiles, slot_expert, count, scratch);
 }
 
+// ---------------------------------------------------------------------------------------------
+// moe_route_decode: a decode step's whole routing in one launch — router logits, scores, top-k and the grouping
+// (moe_route_sort's outputs) — for routers without expert groups, ordered to be short on the critical path:
+//   logits   a warp per (expert, group of ROUTE_DECODE_TOKENS tokens): the block's tokens' x rows staged once in
+//            shared memory, the warp's router row loaded whole up front (ROUTE_DECODE_CHUNKS 16-byte chunks a lane,
+//            one round trip to memory), then each token's sum exactly as moe.cu's moe_router_logits (lane l the
+//            chunks l, l + 32, ... in order, then warp_sum): the same logits bits, spread over ⌈E / warps⌉ blocks
+//            per token group (moe_router_logits: a warp walks its row one load at a time, 8 warps a block);
+//   top-k    the last block to finish (a ticket from `done`, zeroed by the caller per call and put back to zero)
+//            gives each warp a token: scores as warp_route_token, then k picks of the best remaining choice by two
+//            warp reductions (redux.sync max of an order-preserving key, min of the index among the lanes holding
+//            it: lowest index on ties, as warp_route_token's argmax) and one update of the owner lane's best; the
+//            picks' scores summed in pick order: warp_route_token's ids and weights;
+//   grouping counts by shared-memory atomics as the picks land, one warp scans the experts' rows and tiles
+//            (route_sort_block's offsets and tile list), then the slots placed by atomics (each expert's slots in
+//            the order they hand out, as moe_route_sort).
+// ROUTE_DECODE_GATE_SMEM=1: the warps' router rows copied into dynamic shared memory by cp.async instead of held in
+// registers (~145 registers a thread at a hidden of 7168: a block fits an SM only where a GEMV's blocks leave room).
+// Compile-time shape (the caller's defines): ROUTE_DECODE_WARPS a block, ROUTE_DECODE_TOKENS a token group,
+// ROUTE_DECODE_CHUNKS = ⌈hidden / 256⌉, ROUTE_DECODE_PER_LANE = ⌈E / 32⌉, ROUTE_DECODE_X_BYTES the staged rows
+// (at least ROUTE_DECODE_TOKENS · hidden · 2 and the slots' ints). hidden % 8 == 0, 16-byte aligned rows,
+// E + S <= GROUP_MAX_EXPERTS, k + S <= 32, k <= E (the caller checks).
+// ---------------------------------------------------------------------------------------------
+#ifndef ROUTE_DECODE_WARPS
+#define ROUTE_DECODE_WARPS 4
+#endif
+#ifndef ROUTE_DECODE_TOKENS
+#define ROUTE_DECODE_TOKENS 2
+#endif
+#ifndef ROUTE_DECODE_CHUNKS
+#define ROUTE_DECODE_CHUNKS 28
+#endif
+#ifndef ROUTE_DECODE_PER_LANE
+#define ROUTE_DECODE_PER_LANE 16
+#endif
+#ifndef ROUTE_DECODE_GATE_SMEM
+#define ROUTE_DECODE_GATE_SMEM 0  // 1: the router rows in dynamic shared memory (the launch gives its bytes)
+#endif
+#ifndef ROUTE_DECODE_X_BYTES
+#define ROUTE_DECODE_X_BYTES (ROUTE_DECODE_TOKENS * 7168 * 2)
+#endif
+#if ROUTE_DECODE_PER_LANE * 32 > GROUP_MAX_EXPERTS || ROUTE_DECODE_X_BYTES > 44 * 1024 || ROUTE_DECODE_X_BYTES % 16
+#error "moe_route_decode: at most GROUP_MAX_EXPERTS experts, 44 KB of staged rows in whole 16-byte pieces"
+#endif
+
+// An order-preserving key of a choice: a > b as floats (not NaN) iff key(a) > key(b); -0 and +0 one key. 0 is below
+// every float's key: "nothing left".
+__device__ __forceinline__ unsigned choice_key(float v) {
+    const unsigned bits = __float_as_uint(v + 0.f);
+    return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+}
+
+__device__ __forceinline__ unsigned warp_max_key(unsigned v) {
+#ifdef MMA_HOST_STANDIN
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned other = (unsigned)__shfl_sync(0xffffffffu, (int)v, (threadIdx.x & 31) ^ o);
+        v = other > v ? other : v;
+    }
+    return v;
+#else
+    unsigned out;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;\n" : "=r"(out) : "r"(v));
+    return out;
+#endif
+}
+
+__device__ __forceinline__ int warp_min_int(int v) {
+#ifdef MMA_HOST_STANDIN
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_sync(0xffffffffu, v, (threadIdx.x & 31) ^ o));
+    return v;
+#else
+    int out;
+    asm volatile("redux.sync.min.s32 %0, %1, 0xffffffff;\n" : "=r"(out) : "r"(v));
+    return out;
+#endif
+}
+
+// The lane's logits of one token's `row` (logit[i] of expert lane + 32 i, -inf past the experts), written by other
+// blocks of this grid: read from L2.
+__device__ __forceinline__ void load_lane_logits(const float* row, int num_experts, float (&logit)[ROUTE_DECODE_PER_LANE]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < ROUTE_DECODE_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        logit[i] = e < num_experts ? __ldcg(row + e) : -INFINITY;
+    }
+}
+
+// One token's routing by the calling warp from its lane logits (load_lane_logits) and the lane's correction biases
+// (bias_lane[i] of expert lane + 32 i, 0 without a bias), warp_route_token's results: lane j < k + S gets entry j
+// (*id, *weight), other lanes *id = -1.
+__device__ __forceinline__ void warp_route_token_keys(const float (&logit)[ROUTE_DECODE_PER_LANE],
+                                                      const float (&bias_lane)[ROUTE_DECODE_PER_LANE],
+                                                      int num_experts, int top_k, int scoring, int norm_topk,
+                                                      float scaling, int* id, float* weight) {
+    constexpr int R = ROUTE_DECODE_PER_LANE;
+    const int lane = threadIdx.x & 31;
+    float score[R];
+    unsigned key[R];
+    float logit_max = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        score[i] = logit[i];
+        logit_max = fmaxf(logit_max, score[i]);
+    }
+    if (scoring == 0) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) logit_max = fmaxf(logit_max, __shfl_xor_sync(0xffffffffu, logit_max, o));
+    }
+    float local_sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        const int e = lane + 32 * i;
+        if (e >= num_experts) continue;
+        const float s = route_score(score[i], logit_max, scoring);
+        if (scoring == 0) local_sum += s;
+        score[i] = s;
+    }
+    if (scoring == 0) {
+        const float total = warp_sum(local_sum);
+#pragma unroll
+        for (int i = 0; i < R; ++i) score[i] /= total;
+    }
+    // the lane's best remaining choice: highest key, lowest index on ties (i ascending, strictly greater)
+    unsigned best_key = 0u;
+    int best_index = 0x7fffffff;
+    float best_score = 0.f;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        const int e = lane + 32 * i;
+        key[i] = e < num_experts ? choice_key(score[i] + bias_lane[i]) : 0u;  // warp_route_token's score + bias
+        if (key[i] > best_key) {
+            best_key = key[i];
+            best_index = e;
+            best_score = score[i];
+        }
+    }
+    unsigned taken = 0u;  // bit i: this lane's expert lane + 32 i is picked
+    int my_id = 0;
+    float my_score = 0.f, total = 0.f;
+    for (int j = 0; j < top_k; ++j) {
+        const unsigned top = warp_max_key(best_key);
+        const int arg = warp_min_int(best_key == top ? best_index : 0x7fffffff);
+        const float picked = __int_as_float(__shfl_sync(0xffffffffu, __float_as_int(best_score), arg & 31));
+        total += picked;  // in pick order, as warp_route_token
+        if (lane == j) {
+            my_id = arg;
+            my_score = picked;
+        }
+        if ((arg & 31) == lane) {  // the owner: that choice gone, its next best (keys stay put: registers)
+            taken |= 1u << (arg >> 5);
+            best_key = 0u;
+            best_index = 0x7fffffff;
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+                if (!((taken >> i) & 1u) && key[i] > best_key) {
+                    best_key = key[i];
+                    best_index = lane + 32 * i;
+                    best_score = score[i];
+                }
+            }
+        }
+    }
+    const float norm = norm_topk ? 1.f / (total + 1e-20f) : 1.f;
+    *id = -1;
+    if (lane < top_k) {
+        *id = my_id;
+        *weight = my_score * norm * scaling;
+    } else if (lane < top_k + ROUTE_SHARED_EXPERTS) {
+        *id = num_experts + lane - top_k;
+        *weight = 1.f;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ROUTE_DECODE_WARPS * 32)
+moe_route_decode(const bf16* __restrict__ x, const bf16* __restrict__ gate, int num_tokens, int hidden,
+                 float* logits /* [T, E] scratch */, unsigned* done, const float* __restrict__ bias /* [E] or null */,
+                 int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
+                 float* __restrict__ weights, int* __restrict__ offsets /* [E'+1] */, int* __restrict__ sorted_slots,
+                 int* __restrict__ slot_pos, int* __restrict__ tile_expert, int* __restrict__ tile_row,
+                 int* __restrict__ num_tiles, int max_tiles) {
+    __shared__ __align__(16) unsigned char staged[ROUTE_DECODE_X_BYTES];  // x rows, then the slots' experts
+    __shared__ int count[GROUP_MAX_EXPERTS];  // slots per expert, then each expert's next free row
+    __shared__ int last;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int row_width = top_k + ROUTE_SHARED_EXPERTS, grouped = num_experts + ROUTE_SHARED_EXPERTS;
+    const int blocks_per_group = (num_experts + ROUTE_DECODE_WARPS - 1) / ROUTE_DECODE_WARPS;
+    const int t0 = (blockIdx.x / blocks_per_group) * ROUTE_DECODE_TOKENS;
+    const int e = (blockIdx.x % blocks_per_group) * ROUTE_DECODE_WARPS + warp;
+    const int tokens = min(ROUTE_DECODE_TOKENS, num_tokens - t0);
+    // the warp's router row, whole, before anything waits: in registers, or (ROUTE_DECODE_GATE_SMEM) copied into
+    // shared memory by cp.async (few registers: the blocks fit beside a GEMV's on a busy SM)
+    const bf16* w = gate + (long long)min(e, num_experts - 1) * hidden;
+#if ROUTE_DECODE_GATE_SMEM
+#ifdef MMA_HOST_STANDIN
+    __shared__ __align__(16) unsigned char gate_rows[ROUTE_DECODE_WARPS * ROUTE_DECODE_CHUNKS * 512];
+#else
+    extern __shared__ __align__(16) unsigned char gate_rows[];  // ROUTE_DECODE_WARPS x ROUTE_DECODE_CHUNKS x 512 B
+#endif
+    uint4* chunk = reinterpret_cast<uint4*>(gate_rows) + warp * ROUTE_DECODE_CHUNKS * 32 + lane;  // [c * 32]: chunk c
+#pragma unroll
+    for (int c = 0; c < ROUTE_DECODE_CHUNKS; ++c) {
+        const int i = (lane + 32 * c) * 8;
+#ifdef MMA_HOST_STANDIN
+        if (i < hidden) chunk[c * 32] = *reinterpret_cast<const uint4*>(w + i);
+#else
+        if (i < hidden) cp_async16(reinterpret_cast<bf16*>(chunk + c * 32), w + i, true);
+#endif
+    }
+#else
+    uint4 chunk[ROUTE_DECODE_CHUNKS];
+#pragma unroll
+    for (int c = 0; c < ROUTE_DECODE_CHUNKS; ++c) {
+        const int i = (lane + 32 * c) * 8;
+        if (i < hidden) chunk[c] = *reinterpret_cast<const uint4*>(w + i);
+    }
+#endif
+    uint4* xs = reinterpret_cast<uint4*>(staged);
+    const int pieces = hidden / 8;
+    for (int p = tid; p < tokens * pieces; p += blockDim.x) {  // the group's x rows, every piece in flight at once
+#ifdef MMA_HOST_STANDIN
+        xs[p] = *reinterpret_cast<const uint4*>(x + (long long)t0 * hidden + (long long)p * 8);
+#else
+        cp_async16(reinterpret_cast<bf16*>(xs + p), x + (long long)t0 * hidden + (long long)p * 8, true);
+#endif
+    }
+#ifndef MMA_HOST_STANDIN
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+#endif
+    for (int g = tid; g < grouped; g += blockDim.x) count[g] = 0;  // used by the last block only
+    float bias_lane[ROUTE_DECODE_PER_LANE];  // the top-k's biases, loaded with the router row (the last block's)
+#pragma unroll
+    for (int i = 0; i < ROUTE_DECODE_PER_LANE; ++i) {
+        const int expert = lane + 32 * i;
+        bias_lane[i] = bias && expert < num_experts ? bias[expert] : 0.f;
+    }
+    __syncthreads();
+    if (e < num_experts) {
+        float acc[ROUTE_DECODE_TOKENS];
+#pragma unroll
+        for (int t = 0; t < ROUTE_DECODE_TOKENS; ++t) acc[t] = 0.f;
+#pragma unroll
+        for (int c = 0; c < ROUTE_DECODE_CHUNKS; ++c) {
+            const int i = (lane + 32 * c) * 8;
+            if (i >= hidden) break;
+            float b[8];
+#if ROUTE_DECODE_GATE_SMEM
+            const uint4 piece = chunk[c * 32];
+#else
+            const uint4 piece = chunk[c];
+#endif
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&piece);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float2 f = __bfloat1622float2(h[j]);
+                b[2 * j] = f.x;
+                b[2 * j + 1] = f.y;
+            }
+#pragma unroll
+            for (int t = 0; t < ROUTE_DECODE_TOKENS; ++t) {
+                if (t < tokens) {
+                    float a[8];
+                    load8(reinterpret_cast<const bf16*>(xs + t * pieces) + i, a);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[t] += a[j] * b[j];  // moe_router_logits' sum, in its order
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < ROUTE_DECODE_TOKENS; ++t) {
+            const float v = warp_sum(acc[t]);
+            if (t < tokens && lane == 0) logits[(long long)(t0 + t) * num_experts + e] = v;
+        }
+    }
+    // the last block to get here routes the step: the others' logits are visible to it after their fences
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (tid == 0) *done = 0u;
+    int* slot_expert = reinterpret_cast<int*>(staged);  // the staged rows are spent
+    float next[ROUTE_DECODE_PER_LANE];  // the warp's next token's logits, in flight while it routes this one
+    if (warp < num_tokens) load_lane_logits(logits + (long long)warp * num_experts, num_experts, next);
+    for (int t = warp; t < num_tokens; t += ROUTE_DECODE_WARPS) {  // warp-uniform
+        float logit[ROUTE_DECODE_PER_LANE];
+#pragma unroll
+        for (int i = 0; i < ROUTE_DECODE_PER_LANE; ++i) logit[i] = next[i];
+        if (t + ROUTE_DECODE_WARPS < num_tokens)
+            load_lane_logits(logits + (long long)(t + ROUTE_DECODE_WARPS) * num_experts, num_experts, next);
+        int id;
+        float weight;
+        warp_route_token_keys(logit, bias_lane, num_experts, top_k, scoring, norm_topk, scaling, &id, &weight);
+        if (lane < row_width) {
+            ids[t * row_width + lane] = id;
+            weights[t * row_width + lane] = weight;
+            slot_expert[t * row_width + lane] = id;
+            atomicAdd(&count[id], 1);
+        }
+    }
+    __syncthreads();
+    if (warp == 0) {  // experts' rows and tiles: lane l the run [first, last), a warp scan of the runs, runs walked
+        const int per_lane = (grouped + 31) / 32;
+        const int first = min(grouped, lane * per_lane), end = min(grouped, first + per_lane);
+        int rows = 0, tiles = 0;
+        for (int g = first; g < end; ++g) {
+            rows += count[g];
+            tiles += (count[g] + GROUP_TILE_ROWS - 1) / GROUP_TILE_ROWS;
+        }
+        int rows_through = rows, tiles_through = tiles;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int r = __shfl_up_sync(0xffffffffu, rows_through, d), s = __shfl_up_sync(0xffffffffu, tiles_through, d);
+            if (lane >= d) {
+                rows_through += r;
+                tiles_through += s;
+            }
+        }
+        int row_before = rows_through - rows, tile_before = tiles_through - tiles;
+        for (int g = first; g < end; ++g) {
+            const int expert_rows = count[g];
+            offsets[g] = row_before;
+            for (int r = 0; r < expert_rows; r += GROUP_TILE_ROWS, ++tile_before)
+                if (tile_before < max_tiles) {
+                    tile_expert[tile_before] = g;
+                    tile_row[tile_before] = row_before + r;
+                }
+            count[g] = row_before;
+            row_before += expert_rows;
+        }
+        if (lane == 31) {
+            offsets[grouped] = rows_through;
+            *num_tiles = min(tiles_through, max_tiles);
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < num_tokens * row_width; i += blockDim.x) {
+        const int p = atomicAdd(&count[slot_expert[i]], 1);
+        sorted_slots[p] = i;
+        slot_pos[i] = p;
+    }
+}
+
 #ifndef MMA_HOST_STANDIN  // warp intrinsics beyond the host emulation's (__match_any_sync): GPU only
 // ---------------------------------------------------------------------------------------------
 // Grouping for prefill-sized steps in three small launches, deterministic and stable (each expert's

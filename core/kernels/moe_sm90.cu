@@ -161,41 +161,35 @@ __device__ __forceinline__ int sm90_expert_at(int j, int num_experts) {
 #define SM90_B_FIRST 0
 #endif
 
-// SM90_TILED_B=L (OPENINFER_MOE_SM90_TILED; moe_sm90.py ``tiled_copy``; 0: the row layout): the weight was repacked
-// at load into blocks of L rows x 64 k, [E][n-block][k-tile][L rows][64] bf16, an n-block's k-tiles one after another
-// (fused gate_up: a block's L / 2 gate rows, then the same L / 2 up rows; zeros past N or K). A tile of TILE_N == L
-// rows reads one box a stage, the block right after the previous stage's: a unit streams one contiguous run (512 KB
-// of Moonlight's gate_up at L = 128) where the row layout reads 128 bytes from each of 128 rows 4 KB apart (fewer
-// DRAM pages opened per byte). Other tile widths read 64-row boxes of the blocks they cover. The map views the
-// repacked array as rows of 64 elements; its box is L rows when TILE_N == L, else 64.
-#ifndef SM90_TILED_B
-#define SM90_TILED_B 0
+// SM90_EVICT_FIRST=1 (OPENINFER_MOE_SM90_EVICT_FIRST): the weight boxes are copied with an L2 evict-first policy. The
+// experts' weights stream through L2 once a step (~0.9 GB a Moonlight layer); marked evict-first they stop pushing out
+// the few small arrays the kernels after the MoE read again at once (the residual, the combine's rows, norm weights:
+// read back from HBM today, ~1 us more for the next add_rms_norm). A hint: the numbers never change.
+#ifndef SM90_EVICT_FIRST
+#define SM90_EVICT_FIRST 0
 #endif
-#ifndef SM90_TILED_BOX64
-#define SM90_TILED_BOX64 0  // 1: 64-row boxes even where the tile is one block (two TMA copies a stage, as the rows take)
-#endif
-#if SM90_TILED_B && ((SM90_TILED_B != 128 && SM90_TILED_B != 256) || SM90_MULTICAST || SM90_K_SUB != 1 || SM90_L2_AHEAD)
-#error "SM90_TILED_B is 128 or 256 block rows, built for single CTAs with 64-wide k stages and no L2 look-ahead"
+#if SM90_EVICT_FIRST && (SM90_MULTICAST || SM90_L2_AHEAD)
+#error "SM90_EVICT_FIRST is built for single CTAs without the L2 look-ahead"
 #endif
 
-// SM90_K_ROTATE=1 (OPENINFER_MOE_SM90_K_ROTATE): work unit u reads its k-tiles from k-tile u % k_tiles on, wrapping
-// around, instead of all from 0: the CTAs streaming at once (consecutive units) then read different 128-byte columns
-// of their weight rows, not the same column of every row (all their addresses alike in the low 12 bits: HBM channel
-// and bank hashing sees less spread). Whole units only; each unit's sum then runs in another k order (fp32 rounding).
-#ifndef SM90_K_ROTATE
-#define SM90_K_ROTATE 0
-#endif
-#if SM90_K_ROTATE && (SM90_STREAM_K || SM90_L2_AHEAD || SM90_MULTICAST)
-#error "SM90_K_ROTATE is built for single CTAs over whole units, no L2 look-ahead"
-#endif
-// The k-tile a unit reads j-th.
-__device__ __forceinline__ int sm90_k_tile(int j, int unit, int k_tiles) {
-#if SM90_K_ROTATE
-    const int kt = j + unit % k_tiles;
-    return kt < k_tiles ? kt : kt - k_tiles;
+__device__ __forceinline__ unsigned long long l2_evict_first_policy() {
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+
+// The weight box at (x, y, z) into dst, counted on bar (SM90_EVICT_FIRST: with that L2 policy).
+__device__ __forceinline__ void load_weight_box(u32 dst, const void* map, int x, int y, int z, u32 bar,
+                                                unsigned long long policy) {
+#if SM90_EVICT_FIRST
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%2, %3, %4}], [%5], %6;\n"
+        ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar), "l"(policy)
+        : "memory");
 #else
-    (void)unit, (void)k_tiles;
-    return j;
+    (void)policy;
+    tma_load_3d(dst, map, x, y, z, bar);
 #endif
 }
 
@@ -226,33 +220,6 @@ __device__ __forceinline__ ExpertTile expert_tile(int tile, int n_tiles, const i
     w.rows = min(SM90_TILE_M, offsets[w.expert + 1] - w.row_begin);
     w.column = (tile % n_tiles) * SM90_OUT_TILE_N;
     return w;
-}
-
-// SM90_TILED_B: the weight boxes of unit w's k-tile kt (k_tiles of 64 per block row) into the stage at b_smem, in the
-// row layout's places (fused: gate rows, then up rows), landing on `full`
-__device__ __forceinline__ void load_tiled_weights(u32 b_smem, const TensorMap* map, const ExpertTile& w, int kt,
-                                                   int out_features, int k_tiles, u32 full) {
-#if SM90_TILED_B
-#if SM90_FUSE_SILU
-    constexpr int half = SM90_TILED_B / 2;  // output columns of a block (its gate rows; the up rows follow)
-#else
-    constexpr int half = SM90_TILED_B;
-#endif
-    const int blocks = (out_features + half - 1) / half;  // n-blocks per expert
-#if SM90_TILED_B == SM90_TILE_N && !SM90_TILED_BOX64  // the tile is one block: one box
-    tma_load_3d(b_smem, map, 0, 0, ((w.expert * blocks + w.column / half) * k_tiles + kt) * SM90_TILED_B, full);
-#else  // 64-row pieces of the blocks the tile covers
-#pragma unroll
-    for (int i = 0; i < SM90_OUT_TILE_N / 64; ++i) {
-        const int c = w.column + 64 * i;
-        const int row = ((w.expert * blocks + c / half) * k_tiles + kt) * SM90_TILED_B + c % half;
-        tma_load_3d(b_smem + i * 64 * 128, map, 0, 0, row, full);
-#if SM90_FUSE_SILU
-        tma_load_3d(b_smem + (SM90_TILE_N / 2 + 64 * i) * 128, map, 0, 0, row + half, full);
-#endif
-    }
-#endif
-#endif
 }
 
 // A consumer warp is done reading a stage. SM90_MULTICAST: the next copies into it come from both
@@ -369,6 +336,11 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
 #endif
         const int t = threadIdx.x, chunk = t & 7, row0 = t >> 3;  // rows row0 + 16 i, 16-byte chunk `chunk`
         if (t == 0) prefetch_tensor_map(&weight_map);
+#if SM90_EVICT_FIRST
+        const unsigned long long weight_policy = l2_evict_first_policy();
+#else
+        const unsigned long long weight_policy = 0;
+#endif
         int step = 0;  // k-tiles produced so far (ring position)
 #if SM90_PDL == 1
         int prefetched = 0;  // of them, k-tiles whose weight boxes went out before griddepcontrol.wait
@@ -390,19 +362,15 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
             prefetched = min(k_end - k_begin, SM90_STAGES);
             if (t == 0)
                 for (int s = 0; s < prefetched; ++s) {  // stages 0 .. prefetched - 1: free at the start
-                    const int kt = sm90_k_tile(k_begin + s, unit, k_tiles);
+                    const int kt = k_begin + s;
                     const u32 b_smem = base + s * SM90_STAGE_BYTES + SM90_A_BYTES, full = bar_full + 8 * s;
                     mbar_arrive_expect_bytes(full, SM90_B_BYTES);
-#if SM90_TILED_B
-                    load_tiled_weights(b_smem, &weight_map, w, kt, out_features, k_tiles, full);
-#else
 #pragma unroll
                     for (int sub = 0; sub < SM90_K_SUB; ++sub) {
                         const int k0 = kt * SM90_STAGE_K + sub * SM90_TILE_K;
-                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES, &weight_map, k0, 0, first_row, full);
-                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES + SM90_BOX_ROWS * 128, &weight_map, k0, 0, second_row, full);
+                        load_weight_box(b_smem + sub * SM90_B_SUB_BYTES, &weight_map, k0, 0, first_row, full, weight_policy);
+                        load_weight_box(b_smem + sub * SM90_B_SUB_BYTES + SM90_BOX_ROWS * 128, &weight_map, k0, 0, second_row, full, weight_policy);
                     }
-#endif
                 }
         }
         }
@@ -422,8 +390,7 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
 #else
             const int second_row = first_row + SM90_BOX_ROWS;
 #endif
-            for (int kj = k_begin; kj < k_end; ++kj, ++step) {
-                const int kt = sm90_k_tile(kj, unit, k_tiles);
+            for (int kt = k_begin; kt < k_end; ++kt, ++step) {
                 const int stage = step % SM90_STAGES;
                 if (step >= SM90_STAGES) mbar_wait(bar_empty + 8 * stage, ((step / SM90_STAGES) - 1) & 1);
                 const u32 a_smem = base + stage * SM90_STAGE_BYTES, b_smem = a_smem + SM90_A_BYTES;
@@ -436,20 +403,18 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                     if (t != 0) return;
 #endif
                     mbar_arrive_expect_bytes(full, SM90_B_BYTES);  // both boxes land here (SM90_MULTICAST: one from each CTA)
-#if SM90_TILED_B
-                    load_tiled_weights(b_smem, &weight_map, w, kt, out_features, k_tiles, full);
-#elif SM90_MULTICAST
+#if SM90_MULTICAST
                     tma_load_3d_multicast(b_smem + rank * SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0,
                                           rank ? second_row : first_row, full, 3);
 #elif SM90_K_SUB == 1
-                    tma_load_3d(b_smem, &weight_map, kt * SM90_TILE_K, 0, first_row, full);
-                    tma_load_3d(b_smem + SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0, second_row, full);
+                    load_weight_box(b_smem, &weight_map, kt * SM90_TILE_K, 0, first_row, full, weight_policy);
+                    load_weight_box(b_smem + SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0, second_row, full, weight_policy);
 #else
 #pragma unroll
                     for (int sub = 0; sub < SM90_K_SUB; ++sub) {
                         const int k0 = kt * SM90_STAGE_K + sub * SM90_TILE_K;
-                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES, &weight_map, k0, 0, first_row, full);
-                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES + SM90_BOX_ROWS * 128, &weight_map, k0, 0, second_row, full);
+                        load_weight_box(b_smem + sub * SM90_B_SUB_BYTES, &weight_map, k0, 0, first_row, full, weight_policy);
+                        load_weight_box(b_smem + sub * SM90_B_SUB_BYTES + SM90_BOX_ROWS * 128, &weight_map, k0, 0, second_row, full, weight_policy);
                     }
 #endif
                 };

@@ -8,16 +8,7 @@ extern "C" __global__ void rms_norm(const bf16* __restrict__ x, const bf16* __re
     normalize_row(x + row * features, weight, out + row * features, features, eps);
 }
 
-// residual_out = x + residual (bf16); out = rms_norm(residual_out). ADD_NORM_REGISTERS=1: rows of up to
-// ADD_NORM_MAX_COLS x blockDim.x (the backend's _norm_threads: ~2 per thread, 8192 features at 1024 threads) keep
-// each thread's columns in registers, every load issued before the first use (a decode step's rows are one block
-// each: latency-bound), where the plain build writes the row and reads it back in normalize_row's two passes. The
-// same bits either way (thread t sums the squares of columns t, t + T, ... in that order, then block_sum). Off
-// until measured (benchmarks/gpu_moe_grouped.py norms).
-#ifndef ADD_NORM_REGISTERS
-#define ADD_NORM_REGISTERS 0
-#endif
-#define ADD_NORM_MAX_COLS 8
+// residual_out = x + residual (bf16); out = rms_norm(residual_out).
 extern "C" __global__ void add_rms_norm(const bf16* __restrict__ x, const bf16* __restrict__ residual,
                                         const bf16* __restrict__ weight, bf16* __restrict__ out,
                                         bf16* __restrict__ residual_out, int features, float eps) {
@@ -25,39 +16,10 @@ extern "C" __global__ void add_rms_norm(const bf16* __restrict__ x, const bf16* 
     const bf16* xr = x + row * features;
     const bf16* rr = residual + row * features;
     bf16* ro = residual_out + row * features;
-    if (!ADD_NORM_REGISTERS || features > ADD_NORM_MAX_COLS * (int)blockDim.x) {
-        for (int c = threadIdx.x; c < features; c += blockDim.x)
-            ro[c] = __float2bfloat16_rn(__bfloat162float(xr[c]) + __bfloat162float(rr[c]));
-        __syncthreads();  // each thread re-reads only what it wrote, but keep the row consistent
-        normalize_row(ro, weight, out + row * features, features, eps);
-        return;
-    }
-    __shared__ float scratch[32];
-    float v[ADD_NORM_MAX_COLS], g[ADD_NORM_MAX_COLS];
-#pragma unroll
-    for (int i = 0; i < ADD_NORM_MAX_COLS; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        const bool in = c < features;
-        v[i] = in ? __bfloat162float(xr[c]) + __bfloat162float(rr[c]) : 0.f;
-        g[i] = in ? __bfloat162float(weight[c]) : 0.f;
-    }
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < ADD_NORM_MAX_COLS; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        if (c < features) {
-            v[i] = round_bf16(v[i]);
-            ro[c] = __float2bfloat16_rn(v[i]);
-            ss += v[i] * v[i];
-        }
-    }
-    ss = block_sum(ss, scratch);
-    const float inv = rsqrtf(ss / features + eps);
-#pragma unroll
-    for (int i = 0; i < ADD_NORM_MAX_COLS; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        if (c < features) out[row * features + c] = __float2bfloat16_rn(round_bf16(v[i] * inv) * g[i]);
-    }
+    for (int c = threadIdx.x; c < features; c += blockDim.x)
+        ro[c] = __float2bfloat16_rn(__bfloat162float(xr[c]) + __bfloat162float(rr[c]));
+    __syncthreads();  // each thread re-reads only what it wrote, but keep the row consistent
+    normalize_row(ro, weight, out + row * features, features, eps);
 }
 
 // MoE combine + the next layer's add_rms_norm in one launch (decode steps: one block per token; the

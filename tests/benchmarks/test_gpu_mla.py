@@ -55,6 +55,18 @@ def test_ragged_plan_and_tma_fields():
     assert plan["variants"][3]["write_absorb"] == "1" and plan["variants"][3]["expand"] == ""
 
 
+def test_variant_switches_after_the_fields():
+    """``+OPENINFER_NAME=VALUE`` after a variant's fields: any core switch (the fused latent write, clusters ...)."""
+    result = run("decode", "--dry-run", "--batches", "16", "--contexts", "1024",
+                 "--variants", "auto,tma:32+OPENINFER_MLA_FUSED_WRITE=1+OPENINFER_MLA_TMA_CLUSTER=16")
+    assert result.returncode == 0, result.stderr
+    variants = json.loads(result.stdout)["plan"]["variants"]
+    assert variants[0]["switches"] == {}
+    assert variants[1]["keys"] == "32"
+    assert variants[1]["switches"] == {"OPENINFER_MLA_FUSED_WRITE": "1", "OPENINFER_MLA_TMA_CLUSTER": "16"}
+    assert run("--dry-run", "--variants", "auto+FUSED=1").returncode == 2
+
+
 def test_device_cpu_is_a_dry_run():
     result = run("decode", "--device", "cpu", "--batches", "16")
     assert result.returncode == 0, result.stderr

@@ -772,59 +772,12 @@ def test_absorb_side_bit_equal_to_one_stream(cuda_backend, rng, monkeypatch, dec
         cuda_mla.absorb_side()
 
 
-@pytest.mark.parametrize("tile", ["32x2/2/rows", "16x4/1"])
-@pytest.mark.parametrize("heads", [20, 64])
-@pytest.mark.parametrize("decodes", ["ragged", "sixteen", "many"])
-@pytest.mark.parametrize("balance", ["0", "1"])
-def test_tma_fused_combine_and_fast_search_bit_equal(cuda_backend, rng, monkeypatch, tile, heads, decodes, balance):
-    """$OPENINFER_MLA_TMA_FUSED_COMBINE=1 (the last split of a (token, head block) to finish combines the partials:
-    no combine launch) and $OPENINFER_MLA_TMA_FAST_SEARCH=1 (the token's sequence found in one round of loads), each
-    and both: the combine kernel's bits on NaN-poisoned caches, twice in a row (the counts are back at 0 after each
-    launch), within bf16 of NumPy per row; a bad value is a clear error."""
-    from openinfer.backend.cuda import mla as cuda_mla
-    from openinfer.backend.cuda import mla_decode_sm90
-
-    if not _hopper():
-        pytest.skip("the TMA decode kernel needs compute capability 9.0")
-    monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
-    monkeypatch.delenv(cuda_mla.COMBINE_ENV, raising=False)
-    monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, balance)
-    _set_tma_tile(monkeypatch, tile)
-    spec = _spec(heads)
-    cached, new = MANY_DECODES if decodes == "many" else _decode_rows(decodes)
-    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
-    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
-    _poison_unused_slots(device_cache, batch)
-    outs = {}
-    for fused, fast in (("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")):
-        monkeypatch.setenv(mla_decode_sm90.FUSED_COMBINE_ENV, fused)
-        monkeypatch.setenv(mla_decode_sm90.FAST_SEARCH_ENV, fast)
-        for run in range(2):
-            outs[fused, fast, run] = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent,
-                                                                   norm, weights, rope, "tma"))
-    plain = outs["0", "0", 0]
-    for key, out in outs.items():
-        assert np.array_equal(out, plain), key
-    counts = mla_decode_sm90._split_counts.get(cupy.cuda.Device().id)
-    assert counts is None or not counts.any()  # every slot reset by its last split
-    assert relative_error(plain, reference) < BF16_TOL
-    for row in range(plain.shape[0]):
-        assert relative_error(plain[row], reference[row]) < BF16_TOL, row
-    for env, check in ((mla_decode_sm90.FUSED_COMBINE_ENV, mla_decode_sm90.fused_combine),
-                       (mla_decode_sm90.FAST_SEARCH_ENV, mla_decode_sm90.fast_search)):
-        monkeypatch.setenv(env, "yes")
-        with pytest.raises(ValueError, match=env):
-            check()
-        monkeypatch.setenv(env, "1")
-
-
-@pytest.mark.parametrize("fused,fast,view,write,pdl", [("1", "1", "0", "0", "0"), ("1", "0", "1", "0", "0"),
-                                                       ("1", "1", "1", "0", "0"), ("0", "0", "0", "1", "0"),
-                                                       ("1", "1", "1", "1", "0"), ("1", "1", "1", "1", "1")])
-def test_tma_fused_combine_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, fused, fast, view, write, pdl):
-    """The fused combine, the one-round search, q read in place and the folded latent write (and with PDL, its tiles
-    copied before the wait, W_UK by mla_absorb_small) captured in a CUDA graph and replayed (the counts are reset by
-    the replayed kernel itself): the eager step's bits."""
+@pytest.mark.parametrize("view,write,pdl,staged", [("1", "0", "0", "0"), ("0", "1", "0", "0"), ("1", "1", "0", "1"),
+                                                   ("1", "1", "1", "1")])
+def test_tma_fused_write_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, view, write, pdl, staged):
+    """q read in place and the folded latent write (and with PDL, its tiles copied before the wait, W_UK by
+    mla_absorb_small; the query rows staged by 16-byte loads) captured in a CUDA graph and replayed: the eager step's
+    bits."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import mla_decode_sm90
 
@@ -833,10 +786,9 @@ def test_tma_fused_combine_graph_replay_equals_eager(cuda_backend, rng, monkeypa
     monkeypatch.setenv(cuda_mla.PDL_ENV, pdl)
     monkeypatch.setenv(mla_decode_sm90.EARLY_TILES_ENV, pdl)
     monkeypatch.setenv(cuda_mla.ABSORB_SMALL_ENV, pdl)  # with PDL: W_UK by mla_absorb_small, its weights pre-wait
-    monkeypatch.setenv(mla_decode_sm90.FUSED_COMBINE_ENV, fused)
-    monkeypatch.setenv(mla_decode_sm90.FAST_SEARCH_ENV, fast)
     monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, view)
     monkeypatch.setenv(cuda_mla.FUSED_WRITE_ENV, write)
+    monkeypatch.setenv(mla_decode_sm90.Q_TILE_ENV, staged)
     _graph_replay_equals_eager(cuda_backend, rng, "tma")
     spec = _spec(16)
     step = ragged_mla_step(rng, spec, *_decode_rows("sixteen"), BLOCK_SIZE)
@@ -894,16 +846,16 @@ def test_q_view_equals_copy_then_write(cuda_backend, rng, monkeypatch, heads, st
 
 @pytest.mark.parametrize("heads", [16, 64])
 @pytest.mark.parametrize("step", ["decodes", "sixteen", "one", "tiles", "chunks", "mixed"])
-@pytest.mark.parametrize("kernel,combine,max_splits", [("tma", "0", ""), ("tma", "1", ""), ("tma", "0", "1"),
-                                                       ("tma", "cluster16", ""), ("mma_shared", "0", "")])
-def test_fused_write_equals_separate_write(cuda_backend, rng, monkeypatch, heads, step, kernel, combine, max_splits):
+@pytest.mark.parametrize("kernel,cluster,max_splits", [("tma", "0", ""), ("tma", "0", "1"), ("tma", "0", "2"),
+                                                       ("tma", "16", ""), ("mma_shared", "0", "")])
+def test_fused_write_equals_separate_write(cuda_backend, rng, monkeypatch, heads, step, kernel, cluster, max_splits):
     """$OPENINFER_MLA_FUSED_WRITE=1: in steps of one new token per sequence mla_attention_tma computes the latent rows
     itself (head block 0 stores them), rotates q's rope dims as it loads them and splits the cached keys (the own row
     added to the last split; alone in its tile where the cached keys fill whole tiles: "tiles", "one", "sixteen"'s
     first), over caches whose own slots hold NaN bits before the step (the attention never reads them from the
     cache): the cached rows' bits of the q-in-place path with its separate latent write ($OPENINFER_MLA_Q_VIEW=1; the
     same strided W_UK), its output bits with one split (the same keys per split), within bf16 of it and of NumPy per
-    row with more, with and without the fused combine, in clusters of 16; other kernels take the q_pe write first;
+    row with more, in clusters of 16 too; other kernels take the q_pe write first;
     steps of several tokens per sequence ("chunks") and mixed steps keep the separate write; a bad value is a clear
     error."""
     from openinfer.backend.cuda import mla as cuda_mla
@@ -911,9 +863,7 @@ def test_fused_write_equals_separate_write(cuda_backend, rng, monkeypatch, heads
 
     if kernel == "tma" and not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
-    cluster = combine.removeprefix("cluster") if combine.startswith("cluster") else "0"  # splits combined on chip
-    monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, cluster)
-    monkeypatch.setenv(mla_decode_sm90.FUSED_COMBINE_ENV, "1" if combine == "1" else "0")
+    monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, cluster)  # 16: splits combined on chip
     monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
     monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, "0" if max_splits == "1" else "1")  # one split: truly one
     spec = _spec(heads)
@@ -987,3 +937,44 @@ def test_absorb_small_matches_cublas(cuda_backend, rng, monkeypatch, heads, rows
     monkeypatch.setenv(cuda_mla.ABSORB_SMALL_ENV, "yes")
     with pytest.raises(ValueError, match="OPENINFER_MLA_ABSORB_SMALL"):
         cuda_mla.absorb_small_fits(1, spec)
+
+
+@pytest.mark.parametrize("heads", [16, 20, 64])
+@pytest.mark.parametrize("step", ["decodes", "sixteen", "one", "chunks"])
+@pytest.mark.parametrize("write,tile", [("0", "32x2"), ("1", "32x2"), ("1", "16x5"), ("0", "16x4/1")])
+def test_tma_staged_queries_bit_equal(cuda_backend, rng, monkeypatch, heads, step, write, tile):
+    """$OPENINFER_MLA_TMA_Q_TILE=1: mla_attention_tma stages its 16 query rows in shared memory by 16-byte loads (with
+    the fused write: q's rope dims rotated on the way) and takes the A fragments by ldmatrix: the plain loads' bits,
+    with q and the latent as row views of one fused buffer; a bad value is a clear error."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    _set_tma_tile(monkeypatch, tile)
+    monkeypatch.setenv(cuda_mla.FUSED_WRITE_ENV, write)
+    monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, "1")
+    spec = _spec(heads)
+    cached, new = {"decodes": DECODES["ragged"], "one": ([704], [1]),
+                   "chunks": ([40, 100, 33, 64], [3, 5, 2, 1])}.get(step) or _decode_rows(step)
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
+    fused = cuda_backend.upload(np.concatenate([q, latent], axis=1))
+    width = q.shape[1]
+    args = (cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv), cuda_backend.weight(norm), spec,
+            cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos), cupy.asarray(rope.sin), 1e-6)
+    outs = {}
+    for staged in ("0", "1"):
+        monkeypatch.setenv(mla_decode_sm90.Q_TILE_ENV, staged)
+        device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+        _poison_unused_slots(device_cache, batch)
+        out = cuda_mla.mla_forward(cuda_backend.blas, fused[:, :width], fused[:, width:], device_cache, *args,
+                                   absorbed_kernel="tma")
+        outs[staged] = (out.get(), device_cache.get())
+    assert np.array_equal(outs["1"][0], outs["0"][0])
+    assert np.array_equal(outs["1"][1], outs["0"][1])
+    out = cuda_backend.to_host(cupy.asarray(outs["1"][0]))
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], reference[row]) < BF16_TOL, row
+    monkeypatch.setenv(mla_decode_sm90.Q_TILE_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_Q_TILE"):
+        mla_decode_sm90.q_tile()

@@ -88,3 +88,134 @@ def test_route_before_shared_switch(monkeypatch):
     monkeypatch.setenv(moe.ROUTE_BEFORE_SHARED_ENV, "early")
     with pytest.raises(ValueError, match="must be 1 or 0"):
         moe.route_before_shared(1)
+
+
+@pytest.mark.parametrize("tokens,experts,hidden,top_k,shared,scoring", [
+    (1, 384, 7168, 8, 0, "sigmoid"), (4, 384, 7168, 8, 0, "sigmoid"), (1, 64, 2048, 6, 2, "sigmoid"),
+    (16, 64, 2048, 6, 2, "sigmoid"), (64, 64, 2048, 6, 2, "sigmoid"), (5, 60, 512, 4, 0, "softmax"),
+    (3, 512, 256, 16, 0, "sqrtsoftplus"), (7, 100, 1032, 8, 1, "sigmoid")])
+def test_route_decode_equals_two_launches(cuda_backend, rng, monkeypatch, tokens, experts, hidden, top_k, shared,
+                                          scoring):
+    """OPENINFER_MOE_ROUTE_DECODE=1 (moe_route_decode, one launch): the logits, ids and weights of router_logits +
+    moe_route_sort (OPENINFER_MOE_ROUTE_SORT=1) bit for bit, their offsets and tile list, each expert's slots as a
+    set (slot_pos their inverse); moe_forward gives the same bits with it, eagerly and replayed from a CUDA graph
+    (the ticket counter zeroed per call)."""
+    from openinfer.backend.cuda import moe
+    from openinfer.moe import RouterSpec
+
+    router = RouterSpec(experts, top_k, scoring, norm_topk_prob=scoring != "softmax", routed_scaling_factor=2.446)
+    inter = 64
+    experts_run = experts * hidden <= 64 * 2048  # moe_forward too (the expert stacks' size)
+    width = hidden if experts_run else 8
+    gate_up = moe.ExpertLinear("bf16", cuda_backend.weight(bf16_random(rng, experts + shared, 2 * inter, width,
+                                                                       scale=0.05)), None, 2 * inter, width)
+    down = moe.ExpertLinear("bf16", cuda_backend.weight(bf16_random(rng, experts + shared, width, inter, scale=0.05)),
+                            None, width, inter)
+    bias = None if scoring == "softmax" else cupy.asarray((0.3 * rng.standard_normal(experts)).astype(np.float32))
+    layer = moe.DeviceMoE(router, cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.05)), bias,
+                          gate_up, down, shared_experts=shared)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
+    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "0")
+    assert not moe.route_decode_wanted(x, layer)
+    reference = moe.route_and_group(x, layer)
+    logits = moe.router_logits(x, layer.gate, router)
+    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
+    assert moe.route_decode_wanted(x, layer)
+    for _ in range(2):  # twice: the counter is zeroed per call
+        got = moe.route_and_group(x, layer)
+        assert np.array_equal(got.ids.get(), reference.ids.get())
+        assert np.array_equal(got.weights.get(), reference.weights.get())
+        offsets = reference.offsets.get()
+        assert np.array_equal(got.offsets.get(), offsets)
+        tiles = int(reference.num_tiles.get()[0])
+        assert got.max_tiles == reference.max_tiles and int(got.num_tiles.get()[0]) == tiles
+        assert np.array_equal(got.tile_expert.get()[:tiles], reference.tile_expert.get()[:tiles])
+        assert np.array_equal(got.tile_row.get()[:tiles], reference.tile_row.get()[:tiles])
+        sorted_slots, slot_pos, flat_ids = got.sorted_slots.get(), got.slot_pos.get(), got.ids.get().reshape(-1)
+        assert np.array_equal(sorted_slots[slot_pos], np.arange(flat_ids.size))
+        for e in range(experts + shared):
+            assert np.array_equal(np.sort(sorted_slots[offsets[e]:offsets[e + 1]]), np.flatnonzero(flat_ids == e))
+    grid, defines = moe.route_decode_shape(tokens, hidden, experts, tokens * (top_k + shared))
+    scratch = cupy.empty((tokens, experts), cupy.float32)  # the kernel's logits: moe_router_logits' bits
+    one = moe.ExpertGroupingDevice(*(cupy.empty_like(a) for a in (reference.ids, reference.weights,
+                                                                  reference.sorted_slots, reference.slot_pos,
+                                                                  reference.offsets, reference.tile_expert,
+                                                                  reference.tile_row, reference.num_tiles)),
+                                   reference.max_tiles, reference.top_k)
+    moe.kernel("moe_routing.cu", "moe_route_decode", **defines, **({"ROUTE_SHARED_EXPERTS": shared} if shared else {}))(
+        (grid,), (defines["ROUTE_DECODE_WARPS"] * 32,), (
+            x, layer.gate, np.int32(tokens), np.int32(hidden), scratch, cupy.zeros(1, cupy.uint32),
+            moe.NULL if bias is None else bias, np.int32(experts), np.int32(top_k), np.int32(moe.SCORING[scoring]),
+            np.int32(router.norm_topk_prob), np.float32(router.routed_scaling_factor), one.ids, one.weights,
+            one.offsets, one.sorted_slots, one.slot_pos, one.tile_expert, one.tile_row, one.num_tiles,
+            np.int32(one.max_tiles)))
+    assert np.array_equal(scratch.get(), logits.get())
+    if not experts_run:
+        return
+    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "0")
+    plain = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer))
+    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
+
+    def step():
+        return moe.moe_forward(cuda_backend, x, layer)
+
+    assert np.array_equal(cuda_backend.to_host(step()), plain)
+    for replay in _capture_replay(step, cuda_backend.to_host):
+        assert np.array_equal(replay, plain)
+
+
+def test_route_decode_wanted_bounds(cuda_backend, rng, monkeypatch):
+    """moe_route_decode only where switched on and the step fits it: expert groups, hash routing, too many tokens,
+    rows too long or not whole 16-byte pieces take the other paths; a bad switch value is a clear error."""
+    from openinfer.backend.cuda import moe
+    from openinfer.moe import RouterSpec
+
+    def layer(spec, hidden=256, tid2eid=None, shared=0):
+        return moe.DeviceMoE(spec, cupy.zeros((spec.num_experts, hidden), cupy.uint16), None, None, None,
+                             tid2eid=tid2eid, shared_experts=shared)
+
+    x = cupy.zeros((16, 256), cupy.uint16)
+    spec = RouterSpec(64, 6, "sigmoid")
+    monkeypatch.delenv(moe.ROUTE_DECODE_ENV, raising=False)
+    assert moe.route_decode_wanted(x, layer(spec)) == moe.DEFAULT_ROUTE_DECODE
+    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
+    assert moe.route_decode_wanted(x, layer(spec)) and moe.route_decode_wanted(x, layer(spec, shared=2))
+    assert not moe.route_decode_wanted(x, layer(RouterSpec(64, 6, "sigmoid", num_groups=8, topk_groups=3)))
+    assert not moe.route_decode_wanted(x, layer(spec, tid2eid=cupy.zeros((8, 6), cupy.int64)))
+    assert not moe.route_decode_wanted(cupy.zeros((moe.ROUTE_DECODE_MAX_TOKENS + 1, 256), cupy.uint16), layer(spec))
+    assert not moe.route_decode_wanted(cupy.zeros((0, 256), cupy.uint16), layer(spec))
+    long_rows = moe.ROUTE_DECODE_MAX_HIDDEN + 8
+    assert not moe.route_decode_wanted(cupy.zeros((1, long_rows), cupy.uint16), layer(spec, long_rows))
+    assert not moe.route_decode_wanted(cupy.zeros((1, 260), cupy.uint16), layer(spec, 260))
+    assert not moe.route_decode_wanted(x, layer(RouterSpec(512, 8, "sigmoid"), shared=1))
+    monkeypatch.setenv(moe.ROUTE_DECODE_WARPS_ENV, "6")
+    with pytest.raises(ValueError, match="must be 4 or 8"):
+        moe.route_decode_shape(1, 256, 64, 8)
+    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="must be 1 or 0"):
+        moe.route_decode_wanted(x, layer(spec))
+
+
+@pytest.mark.parametrize("tokens,experts,hidden,shared", [(1, 384, 7168, 0), (4, 384, 7168, 0), (16, 64, 2048, 2)])
+def test_route_decode_gate_in_shared_memory(cuda_backend, rng, monkeypatch, tokens, experts, hidden, shared):
+    """OPENINFER_MOE_ROUTE_DECODE_GATE=shared (the router rows copied into dynamic shared memory) gives the bits of the
+    rows held in registers; a bad value is a clear error."""
+    from openinfer.backend.cuda import moe
+    from openinfer.moe import RouterSpec
+
+    router = RouterSpec(experts, 8 if experts > 64 else 6, "sigmoid", routed_scaling_factor=2.827)
+    layer = moe.DeviceMoE(router, cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.05)),
+                          cupy.asarray((0.1 * rng.standard_normal(experts)).astype(np.float32)), None, None,
+                          shared_experts=shared)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
+    results = {}
+    for place in moe.ROUTE_DECODE_GATES:
+        monkeypatch.setenv(moe.ROUTE_DECODE_GATE_ENV, place)
+        grouping = moe.route_and_group(x, layer)
+        results[place] = [a.get() for a in (grouping.ids, grouping.weights, grouping.offsets, grouping.num_tiles)]
+    assert all(np.array_equal(a, b) for a, b in zip(results["registers"], results["shared"], strict=True))
+    monkeypatch.setenv(moe.ROUTE_DECODE_GATE_ENV, "texture")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_DECODE_GATE"):
+        moe.route_and_group(x, layer)

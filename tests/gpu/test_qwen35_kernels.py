@@ -95,7 +95,7 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
 
 FAST_PREFILL_CHOICES = ("split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma", "grouped_conv",
                         "grouped_out", "grouped_staged", "grouped_coalesced", "grouped_f16", "chunked_split",
-                        "chunked_split_f16", "chunked_split_f16_x3", "chunked_split_f16_pipe")
+                        "chunked_split_f16")
 
 
 @pytest.fixture(params=["chunked", "recurrent", *FAST_PREFILL_CHOICES])
@@ -110,8 +110,7 @@ def kernels(request, monkeypatch):
     grouped_conv (that with the conv1d inside the prepare), grouped_out (that with the staged output kernel)
     and the default, grouped_staged (grouped_mma with the staged output kernel), grouped_f16 (that with
     fp16 operands), chunked_split (bf16 hi/mid/lo operand splits: products of about fp32's precision) and
-    chunked_split_f16 (fp16 hi / lo parts), chunked_split_f16_x3 (that at 3 walk blocks an SM) and
-    chunked_split_f16_pipe (the next chunk's operands requested during this one's)."""
+    chunked_split_f16 (fp16 hi / lo parts)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
@@ -310,6 +309,52 @@ def test_decode_step_variants_equal_the_plain_kernel_bit_for_bit(monkeypatch, va
         stream.synchronize()
         np.testing.assert_array_equal(cupy.asnumpy(out), cupy.asnumpy(want))
         assert_same_states()
+
+
+def test_kernels_first_launched_after_warm_up_opt_into_their_shared_memory(monkeypatch):
+    """``warm_up`` only compiles ``start_up_kernels``' modules (no kernel handle made, no attribute
+    set): a kernel taking more than 48 KiB of dynamic shared memory opts in where it is first
+    launched — the bulk decode step (75 KiB) first met inside a CUDA graph capture, the default
+    chunked prefill's prepare and walk eagerly — with the eager kernels' results. A build of its
+    own (an extra define) makes every function new to this process."""
+    from openinfer_qwen35 import cuda_ops
+
+    if not cupy.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    for name in (cuda_ops.KERNELS_ENV, cuda_ops.PREFILL_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(cuda_ops.DECODE_ENV, "bulk")
+    rows = 8
+    captured, eager = Layer(np.random.default_rng(11), num_slots=rows), Layer(np.random.default_rng(11), num_slots=rows)
+    config = captured.config
+    rng = np.random.default_rng(12)
+    with cuda_ops.defines_added(OPENINFER_TEST_BUILD=int(rng.integers(1, 2**30))):
+        cuda_ops._bulk_decode_kernel.cache_clear()
+        cuda_ops.warm_up(config)
+        assert cuda_ops.kernel.cache_info().currsize == 0 and cuda_ops._bulk_decode_kernel.cache_info().currsize == 0
+        seqs = cuda_ops.prepare_sequences(StepSequences(np.arange(rows + 1, dtype=np.int64),
+                                                        np.arange(rows, dtype=np.int64), np.zeros(rows, bool)))
+        proj = cupy.empty((rows, captured.features), dtype=cupy.uint16)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            out = cuda_ops.delta_net(proj, captured.device_weights, captured.device_conv, captured.device_ssm, seqs,
+                                     config)
+            graph = stream.end_capture()
+            proj[...] = device_bf16(rng.standard_normal((rows, captured.features)))
+            graph.launch(stream)
+            want = cuda_ops.delta_net(proj, eager.device_weights, eager.device_conv, eager.device_ssm, seqs, config)
+        stream.synchronize()
+        np.testing.assert_array_equal(cupy.asnumpy(out), cupy.asnumpy(want))
+        np.testing.assert_array_equal(cupy.asnumpy(captured.device_ssm), cupy.asnumpy(eager.device_ssm))
+        walk = cuda_ops.prefill_kernels(config, captured.features).states
+        assert max(cuda_ops.chunked_split_shared_bytes(128, 128, walk)) > 48 * 1024
+        prefill = Layer(np.random.default_rng(13), num_slots=3)
+        lengths = [200, 77]
+        got, expected = prefill.step(bf16(rng.standard_normal((sum(lengths), prefill.features))), lengths, [1, 2],
+                                     [True, False])
+        assert_close(got, expected)
+    cuda_ops._bulk_decode_kernel.cache_clear()
 
 
 def test_vec4_decode_step_matches_numpy_and_the_plain_kernel(monkeypatch):

@@ -50,14 +50,55 @@ def test_reading_chunks_from_the_file_gives_the_mapped_bits(cuda_backend, rng, t
 
 
 def test_upload_refuses_a_destination_too_small(cuda_backend, rng):
+    """``upload`` and ``upload_all`` check each destination alike, before any copy starts."""
     from openinfer.backend.cuda.weight_upload import WeightUploader
 
     uploader = WeightUploader(cuda_backend.device.id, num_threads=1, chunk_bytes=1 << 20, num_buffers=2)
     try:
         with pytest.raises(ValueError, match="cannot copy"):
             uploader.upload(np.zeros(100, np.uint16), cupy.empty(50, dtype=cupy.uint16))
+        untouched = cupy.full(100, 7, dtype=cupy.uint16)
+        with pytest.raises(ValueError, match="cannot copy 200 bytes at offset 2 into a device array of 200"):
+            uploader.upload_all([(np.zeros(100, np.uint16), untouched, 0), (np.zeros(100, np.uint16), untouched, 2)])
+        assert (untouched.get() == 7).all()
+        with pytest.raises(ValueError, match="non-contiguous"):
+            uploader.upload_all([(np.zeros(50, np.uint16), cupy.empty(200, dtype=cupy.uint16)[::2], 0)])
     finally:
         uploader.close()
+
+
+@pytest.mark.parametrize("shape", [(0,), (7,), (128, 48), (600, 1000)])  # the last one past SMALL_BYTES
+def test_upload_vector_keeps_the_values_and_converts_when_asked(cuda_backend, rng, shape):
+    from openinfer.backend.cuda.weight_upload import upload_vector
+
+    values = rng.standard_normal(shape)  # float64 on the host
+    kept = upload_vector(values, np.float32)
+    assert kept.dtype == cupy.float32 and kept.shape == shape
+    np.testing.assert_array_equal(kept.get(), values.astype(np.float32))
+    as_is = upload_vector(values[..., ::-1])  # not contiguous: copied as is, dtype kept
+    assert as_is.dtype == cupy.float64
+    np.testing.assert_array_equal(as_is.get(), values[..., ::-1])
+
+
+def test_upload_vector_does_not_wait_for_the_legacy_stream(cuda_backend):
+    """The vector's copy runs on the uploader's own non-blocking stream: it returns while a kernel
+    queued on the legacy default stream still spins (on the legacy stream it would wait for it)."""
+    from openinfer.backend.cuda.weight_upload import upload_vector
+
+    spin = cupy.RawKernel(r"""
+    extern "C" __global__ void spin(long long cycles) {
+        const long long start = clock64();
+        while (clock64() - start < cycles) {}
+    }""", "spin")
+    legacy = cupy.cuda.Stream.null
+    warm = upload_vector(np.zeros(64, np.float32))  # the uploader made, its pools holding a block
+    del warm
+    with legacy:
+        spin((1,), (1,), (np.int64(4_000_000_000),))  # ~2 s at 2 GHz
+    kept = upload_vector(np.arange(64, dtype=np.float32))
+    assert not legacy.done  # returned before the spin ended
+    np.testing.assert_array_equal(kept.get(), np.arange(64, dtype=np.float32))
+    legacy.synchronize()
 
 
 def test_fused_linear_weight_equals_the_host_fused_matrix(cuda_backend, rng):

@@ -9,6 +9,11 @@ One step, T new tokens, H heads::
     mla_attention      o_latent[t, h] = softmax(q̃·c_kv + q_pe·k_pe) · c_kv  over positions ≤ t
     W_UV (batched)     o[t, h]        = W_UV[h] · o_latent[t, h]          [T, H·v]
 
+With ``OPENINFER_MLA_FUSED_WRITE`` a decode step (one new token per sequence) runs three launches: W_UK over q
+where the projection wrote it, ``mla_attention_tma`` computing each token's latent row itself (stored by head block 0,
+patched into its own tile) and rotating q_pe as it loads it, then W_UV (and the split combine where the splits are
+not combined in the kernel).
+
 Sequences that bring at least ``PREFILL_MIN_QUERY`` new tokens (prompts, prefill chunks) take the
 decompressed form instead, where tensor cores pay for expanding the latents::
 
@@ -129,6 +134,9 @@ WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
 # through its row stride. s12 D1 (H200, CUPTI): W_UK 3.3 us a layer at Moonlight b16; s12 D3: 4.6 us at Kimi b1 (8 MB).
 ABSORB_SMALL_ENV = "OPENINFER_MLA_ABSORB_SMALL"
 DEFAULT_ABSORB_SMALL = False
+# mla_absorb_small's builds by the most rows they take (ABSORB_SMALL_TOKENS): each row keeps 8 accumulators a thread,
+# so a 4-row build holds ~4x fewer registers (more blocks per SM: Kimi-K2's 64 heads x 8 column blocks in one wave).
+ABSORB_SMALL_BUILDS = (4, WRITE_ABSORB_MAX_TOKENS)
 # Opt-in: $OPENINFER_MLA_EXPAND_SMALL=1 runs W_UV as mla_expand_small (tensor cores, one launch, fragments straight
 # from global memory) instead of cuBLAS's batched GEMM in steps of at most EXPAND_SMALL_MAX_TOKENS rows.
 EXPAND_SMALL_ENV = "OPENINFER_MLA_EXPAND_SMALL"
@@ -705,7 +713,9 @@ def absorb_queries(blas: Cublas, q: cupy.ndarray, w_uk: cupy.ndarray, spec: MLAS
     num_tokens, heads, nope, lora = int(q.shape[0]), spec.num_heads, spec.qk_nope_dim, spec.kv_lora_rank
     q_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
     if absorb_small_fits(num_tokens, spec):
-        launch(kernel("mla.cu", "mla_absorb_small", **_decode_defines(spec)), (heads, lora // WRITE_ABSORB_COLUMNS),
+        most = ABSORB_SMALL_BUILDS[0] if num_tokens <= ABSORB_SMALL_BUILDS[0] else ABSORB_SMALL_BUILDS[1]
+        launch(kernel("mla.cu", "mla_absorb_small", **_decode_defines(spec), ABSORB_SMALL_TOKENS=most),
+               (heads, lora // WRITE_ABSORB_COLUMNS),
                (WRITE_ABSORB_THREADS,), (q, np.int32(q.strides[0] // q.itemsize), np.int32(spec.qk_head_dim),
                                          np.int32(heads), np.int32(num_tokens), w_uk, q_latent),
                after_previous=pdl())
@@ -762,7 +772,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
                   q_pe_only: bool = False, latent_write: LatentWrite | None = None
                   ) -> tuple[cupy.ndarray, SplitPartials | None]:
     """``absorbed_attention``'s attention kernel alone: ``o_latent`` (written only without splits, or combined in
-    the kernel) and the splits' partials to combine (None: none left to combine)."""
+    a cluster) and the splits' partials to combine (None: none left to combine)."""
     num_tokens = int(q.shape[0])
     name = choose_absorbed_kernel(spec.num_heads, num_tokens, absorbed_kernel)
     if name == "tma" and not mla_decode_sm90.tma_decode_fits(spec, cache):
@@ -775,11 +785,11 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         w = latent_write
         q = write_latent_q_pe(q, w.latent, cache, w.kv_a_norm, spec, batch, w.cos, w.sin, w.eps)
         q_pe_only, latent_write = True, None
+    q_layout = (spec.qk_rope_dim, 0) if q_pe_only else (spec.qk_head_dim, spec.qk_nope_dim)  # q's head stride, q_pe
     blocks_of_16 = name == "mma16" or (name == "mma" and heads16())
     heads, lora = spec.num_heads, spec.kv_lora_rank
     o_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
     cluster = 1  # the tma kernel's CTAs per cluster (tma_cluster)
-    counts = None  # the tma kernel's fused combine counts (mla_decode_sm90.split_counts): its last split combines
     if name in ("mma_shared", "tma"):
         head_chunks = -(-heads // SHARED_HEADS)
     elif name in ("mma", "mma16"):
@@ -799,19 +809,17 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         elif mla_decode_sm90.tma_balance():
             splits = max(splits, mla_decode_sm90.BALANCE_MIN_SPLITS)
             balance_slots = max(1, blocks_per_sm * num_sms // head_chunks)
-        if cluster == 1 and 1 < splits <= mla_decode_sm90.FUSED_COMBINE_MAX_SPLITS and mla_decode_sm90.fused_combine():
-            counts = mla_decode_sm90.split_counts(num_tokens * head_chunks)
+        staged_q = mla_decode_sm90.q_tile() and mla_decode_sm90.q_tile_fits(spec, q, *q_layout)
         tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, pdl() and cluster == 1,
-                                                                    counts is not None, latent_write is not None)
+                                                                    latent_write is not None, staged_q)
     else:
         splits = num_splits(num_tokens, head_chunks, num_sms)
-    combined_on_chip = cluster > 1 or counts is not None  # a cluster, or the last split to finish, combines
+    combined_on_chip = cluster > 1
     partial_o = partial_ml = NULL
-    if splits > 1 and cluster == 1:
+    if splits > 1 and not combined_on_chip:
         partial_o = cupy.empty((num_tokens, heads, splits, lora), dtype=cupy.float32)
         partial_ml = cupy.empty((num_tokens, heads, splits, 2), dtype=cupy.float32)
-    q_stride, q_pe_offset = (spec.qk_rope_dim, 0) if q_pe_only else (spec.qk_head_dim, spec.qk_nope_dim)
-    args = (q_latent, q, np.int32(q_stride), np.int32(q_pe_offset), cache, batch.block_tables,
+    args = (q_latent, q, np.int32(q_layout[0]), np.int32(q_layout[1]), cache, batch.block_tables,
             np.int32(batch.block_tables.shape[1]), np.int32(cache.shape[1]), batch.query_start, np.int32(batch.num_seqs),
             batch.positions, np.int32(heads), np.float32(spec.scale), o_latent, np.int32(splits), partial_o,
             partial_ml, NULL if token_rows is None else token_rows)
@@ -822,8 +830,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
             write_args = (w.latent, np.int32(w.latent.strides[0] // 2), w.kv_a_norm, np.float32(w.eps),
                           batch.slot_mapping, w.cos, w.sin, np.int32(q.strides[0] // 2))
         mla_decode_sm90.launch_tma_decode(tma_attention, tma_smem, (num_tokens, head_chunks, splits), args, cache,
-                                          balance_slots, after_previous=pdl() and cluster == 1, counts=counts,
-                                          write_args=write_args)
+                                          balance_slots, after_previous=pdl() and cluster == 1, write_args=write_args)
     elif name == "mma_shared":
         attention, smem = _shared_decode_kernel(spec, keys)
         launch(attention, (num_tokens, head_chunks, splits), (SHARED_THREADS,), args, smem, after_previous=pdl())

@@ -116,11 +116,38 @@ def tma_row_boxes() -> bool:
     return text == "1"
 
 
-def tma_decode_smem(spec: MLASpec, keys: int, stages: int, one_barrier: bool = False) -> int:
+def tma_decode_smem(spec: MLASpec, keys: int, stages: int, one_barrier: bool = False, q_tile: bool = False) -> int:
     """mla_decode_sm90.cu TMA_SMEM (+ 16 bytes of static balance sums): 1 KB of alignment, the ring, the warps'
-    partial scores (twice with one barrier per tile), the barriers."""
+    partial scores (twice with one barrier per tile), the barriers, and with ``q_tile`` the staged query rows."""
     tile = spec.latent_dim // BOX_ELEMENTS * keys * 128
-    return 1024 + stages * tile + (1 + one_barrier) * TMA_WARPS * (keys // 8) * 32 * 16 + 8 * stages
+    staged = 16 + TMA_HEADS * (spec.latent_dim + 8) * 2 if q_tile else 0
+    return 1024 + stages * tile + (1 + one_barrier) * TMA_WARPS * (keys // 8) * 32 * 16 + 8 * stages + staged
+
+
+# Opt-in until a device A/B ($OPENINFER_MLA_TMA_Q_TILE=1): the block's 16 query rows [q_latent | q_pe] are staged in
+# shared memory by 16-byte loads (9 a thread, coalesced) and each warp's A fragments taken by ldmatrix (TMA_Q_TILE),
+# not 36 scattered 4-byte global loads a thread (~37 MB of L2 sectors a Moonlight b16 layer: 256 CTAs x 4,608
+# loads). 18.7 KB more shared memory a block (still 2 a SM). The same fragments, the same bits. Where q's rows are
+# not 16-byte aligned the plain loads run.
+Q_TILE_ENV = "OPENINFER_MLA_TMA_Q_TILE"
+DEFAULT_Q_TILE = False
+
+
+def q_tile() -> bool:
+    """$OPENINFER_MLA_TMA_Q_TILE (0 / 1; unset: DEFAULT_Q_TILE; another value: a clear error)."""
+    text = os.environ.get(Q_TILE_ENV) or str(int(DEFAULT_Q_TILE))
+    if text not in ("0", "1"):
+        raise ValueError(f"{Q_TILE_ENV} is 0 or 1; got {text!r}")
+    return text == "1"
+
+
+def q_tile_fits(spec: MLASpec, q: cupy.ndarray, q_stride: int, q_pe_offset: int) -> bool:
+    """Whether the query rows can be staged by 16-byte loads (TMA_Q_TILE): q's address, row stride, head stride and
+    offset in whole 16 bytes (2-byte elements), the latent in whole 16-byte pieces per thread and one piece of the
+    rope dims per thread (TMA_HEADS x rope / 8 == TMA_THREADS)."""
+    return (int(q.data.ptr) % 16 == 0 and q.strides[0] % 16 == 0 and (2 * q_stride) % 16 == 0
+            and (2 * q_pe_offset) % 16 == 0 and TMA_HEADS * spec.kv_lora_rank // 8 % TMA_THREADS == 0
+            and TMA_HEADS * spec.qk_rope_dim // 8 == TMA_THREADS)
 
 
 def tma_blocks_per_sm(smem: int) -> int:
@@ -176,7 +203,7 @@ def cache_map(cache: cupy.ndarray, row_boxes: bool = False) -> np.ndarray:
 
 def tma_blocks_per_sm_of(spec: MLASpec) -> int:
     """Resident blocks per SM of the current tile choice."""
-    return tma_blocks_per_sm(tma_decode_smem(spec, *tma_tile(), tma_one_barrier()))
+    return tma_blocks_per_sm(tma_decode_smem(spec, *tma_tile(), tma_one_barrier(), q_tile()))
 
 
 # Opt-in, not measured at model level ($OPENINFER_MLA_PDL_EARLY_TILES=1, with $OPENINFER_MLA_PDL; s12 D1 measured the
@@ -197,74 +224,19 @@ def early_tiles() -> bool:
     return text == "1"
 
 
-# Opt-in until a device A/B ($OPENINFER_MLA_TMA_FAST_SEARCH=1): the kernel finds its token's sequence with one round
-# of loads over query_start (each thread compares some entries, the block counts them) instead of a binary search's
-# log2(sequences) dependent loads, and sums the balance total in the same round and barrier (TMA_FAST_SEARCH). The
-# same splits, the same bits.
-FAST_SEARCH_ENV = "OPENINFER_MLA_TMA_FAST_SEARCH"
-DEFAULT_FAST_SEARCH = False
-# Opt-in until a device A/B ($OPENINFER_MLA_TMA_FUSED_COMBINE=1): the context splits of a (token, head block) are
-# combined by the last of its CTAs to finish (a count per (token, head block) in ``split_counts``, reset to 0 by that
-# CTA; the partials read back through L2), not by a combine launch after the kernel (TMA_FUSED_COMBINE), in launches
-# of at most FUSED_COMBINE_MAX_SPLITS splits. The same
-# weights and sums as mla_combine_splits_flat / _wide: the same bits. Moonlight b16 (s12 D1, CUPTI): the combine
-# launch took 3.6 us a layer after the 16.6 us attention.
-FUSED_COMBINE_ENV = "OPENINFER_MLA_TMA_FUSED_COMBINE"
-DEFAULT_FUSED_COMBINE = False
-SPLIT_COUNTS = 1 << 16  # (token, head block) slots of the fused combine's counts; more: the combine launch runs
-# The most splits the fused combine takes (mla_decode_sm90.cu FUSED_COMBINE_MAX_SPLITS caps the kernel's registers at
-# 8): one SM reads every split's partials of its 16 heads, 32 KB a split, about one L2 round trip per 32 KB: only few
-# splits pay. Early D1 (H200, s13, its first form: one thread's serial (max, sum) loads per output): Moonlight b16 step
-# 0.836x, Kimi b1 attention 9.6 -> 190.8 us. More splits than this: the combine launch runs.
-FUSED_COMBINE_MAX_SPLITS = 4
-_split_counts: dict[int, cupy.ndarray] = {}
-
-
-def _switch(env: str, default: bool) -> bool:
-    text = os.environ.get(env) or str(int(default))
-    if text not in ("0", "1"):
-        raise ValueError(f"{env} is 0 or 1; got {text!r}")
-    return text == "1"
-
-
-def fast_search() -> bool:
-    """$OPENINFER_MLA_TMA_FAST_SEARCH (0 / 1; unset: DEFAULT_FAST_SEARCH; another value: a clear error)."""
-    return _switch(FAST_SEARCH_ENV, DEFAULT_FAST_SEARCH)
-
-
-def fused_combine() -> bool:
-    """$OPENINFER_MLA_TMA_FUSED_COMBINE (0 / 1; unset: DEFAULT_FUSED_COMBINE; another value: a clear error)."""
-    return _switch(FUSED_COMBINE_ENV, DEFAULT_FUSED_COMBINE)
-
-
-def split_counts(slots: int) -> cupy.ndarray | None:
-    """This device's zeroed counts of the fused combine (made once, SPLIT_COUNTS slots, outside any graph capture:
-    the first eager step makes it); None where ``slots`` is more than it holds, or it does not exist yet and the
-    stream is capturing (the combine launch runs then)."""
-    device = cupy.cuda.Device().id
-    counts = _split_counts.get(device)
-    if counts is None:
-        if cupy.cuda.get_current_stream().is_capturing():
-            return None
-        counts = _split_counts[device] = cupy.zeros(SPLIT_COUNTS, dtype=cupy.int32)
-    return counts if slots <= SPLIT_COUNTS else None
-
-
-def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False, fused: bool = False,
-                      write: bool = False) -> tuple[object, int]:
+def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False, write: bool = False,
+                      staged_q: bool = False) -> tuple[object, int]:
     """The compiled kernel for the current tile choice and ``cluster`` (tma_cluster), and its shared memory;
     ``pdl``: built with MLA_PDL (core's $OPENINFER_MLA_PDL, programmatic dependent launch), and with
-    MLA_PDL_EARLY_TILES where ``early_tiles``; ``fused``: with TMA_FUSED_COMBINE (the last split combines);
-    ``write``: with TMA_FUSED_WRITE (the latent write and q's rope folded in: core's $OPENINFER_MLA_FUSED_WRITE)."""
+    MLA_PDL_EARLY_TILES where ``early_tiles``; ``write``: with TMA_FUSED_WRITE (the latent write and q's rope folded
+    in: core's $OPENINFER_MLA_FUSED_WRITE); ``staged_q``: with TMA_Q_TILE (``q_tile``)."""
     keys, stages = tma_tile()
     one_barrier = tma_one_barrier()
-    smem = tma_decode_smem(spec, keys, stages, one_barrier)
+    smem = tma_decode_smem(spec, keys, stages, one_barrier, staged_q)
     attention = arch_kernel("mla_decode_sm90.cu", "mla_attention_tma", "sm_90a", smem, KV_LORA=spec.kv_lora_rank,
                             ROPE_DIM=spec.qk_rope_dim, TMA_KEYS=keys, TMA_STAGES=stages, TMA_CLUSTER=cluster,
                             TMA_ONE_BARRIER=int(one_barrier), TMA_ROW_BOXES=int(tma_row_boxes()),
-                            **({"TMA_FAST_SEARCH": 1} if fast_search() else {}),
-                            **({"TMA_FUSED_COMBINE": 1} if fused else {}),
-                            **({"TMA_FUSED_WRITE": 1} if write else {}),
+                            **({"TMA_FUSED_WRITE": 1} if write else {}), **({"TMA_Q_TILE": 1} if staged_q else {}),
                             **({"MLA_PDL": 1, **({"MLA_PDL_EARLY_TILES": 1} if early_tiles() else {})} if pdl else {}))
     ptr = getattr(attention, "ptr", None)  # None: a discover_kernels stand-in
     if cluster > 8 and ptr is not None and ptr not in _non_portable_allowed:
@@ -274,16 +246,14 @@ def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False, fused:
 
 
 def launch_tma_decode(attention, smem: int, grid: tuple[int, int, int], args: tuple, cache: cupy.ndarray,
-                      balance_slots: int = 0, after_previous: bool = False,
-                      counts: cupy.ndarray | None = None, write_args: tuple = ()) -> None:
+                      balance_slots: int = 0, after_previous: bool = False, write_args: tuple = ()) -> None:
     """``mla_attention_tma`` over ``grid`` with mla_attention_mma_shared's ``args``, ``balance_slots`` (0: each
     token's context split evenly over grid z) and the cache's map; ``after_previous``: a programmatic dependent
-    launch (a kernel built with MLA_PDL); ``counts``: the fused combine's ``split_counts`` (a kernel built with it);
-    ``write_args``: the folded latent write's (kv_a, its row stride, norm, eps, slots, cos, sin, q's row stride),
+    launch (a kernel built with MLA_PDL); ``write_args``: the folded latent write's (kv_a, its row stride, norm, eps, slots, cos, sin, q's row stride),
     null / zero where the kernel does not write."""
     if not write_args:
         write_args = (np.uint64(0), np.int32(0), np.uint64(0), np.float32(0), np.uint64(0), np.uint64(0),
                       np.uint64(0), np.int32(0))
-    launch(attention, grid, (TMA_THREADS,), (*args, np.int32(balance_slots), np.uint64(0) if counts is None else counts,
-                                             *write_args, cache_map(cache, tma_row_boxes())),
+    launch(attention, grid, (TMA_THREADS,), (*args, np.int32(balance_slots), *write_args,
+                                             cache_map(cache, tma_row_boxes())),
            smem, after_previous=after_previous)

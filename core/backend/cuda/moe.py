@@ -57,6 +57,8 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     CHUNK_SCAN_ENTRIES,
     CHUNK_SLOTS,
     CHUNK_THREADS,
+    DEFAULT_ROUTE_DECODE,
+    DEFAULT_ROUTE_DECODE_GATE,
     DEFAULT_ROUTE_NORM,
     DEFAULT_ROUTER_BLOCKS,
     DEFAULT_ROUTER_FUSED,
@@ -69,6 +71,13 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     MAX_EXPERTS,
     MAX_TOPK,
     NULL,
+    ROUTE_DECODE_DEFAULT_MAX_TOKENS,
+    ROUTE_DECODE_ENV,
+    ROUTE_DECODE_GATE_ENV,
+    ROUTE_DECODE_GATES,
+    ROUTE_DECODE_MAX_HIDDEN,
+    ROUTE_DECODE_MAX_TOKENS,
+    ROUTE_DECODE_WARPS_ENV,
     ROUTE_NORM_ENV,
     ROUTE_NORM_MAX_EXPERTS,
     ROUTE_NORM_MAX_TOKENS,
@@ -102,6 +111,10 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     max_tiles,
     route,
     route_and_group,
+    route_decode,
+    route_decode_gate_bytes,
+    route_decode_shape,
+    route_decode_wanted,
     route_norm_wanted,
     route_sort_wanted,
     route_warps_wanted,
@@ -111,15 +124,7 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     router_mma_wanted,
     select_experts,
 )
-from openinfer.backend.cuda.moe_sm90 import (
-    TILED_LAYOUTS,
-    grouped_gemm_sm90,
-    rotated_units,
-    sm90_experts,
-    sm90_pdl,
-    tile_for_sm90,
-    tiled_mode,
-)
+from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, rotated_units, sm90_experts, sm90_pdl
 from openinfer.backend.cuda.pdl_launch import launch
 from openinfer.moe import RouterSpec
 from openinfer.quant import int4_tiling_fits, tile_int4
@@ -746,11 +751,6 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     gate_up): with OPENINFER_DECODE_PDL the lane-groups GEMV may read it and the weights before it waits."""
     num_slots = int(grouping.sorted_slots.size)
     a = cupy.ascontiguousarray(a)
-    if weight.layout in TILED_LAYOUTS:  # held for moe_grouped_gemm_sm90 only (OPENINFER_MOE_SM90_TILED=load)
-        if sm90 is False or not sm90_experts(a, weight, num_slots):
-            raise ValueError(f"experts held in moe_sm90's {weight.layout} layout are read by moe_grouped_gemm_sm90 "
-                             f"only (an sm_90 GPU, aligned rows); OPENINFER_MOE_SM90_TILED=load needs it")
-        return grouped_gemm_sm90(a, weight, grouping, gather, overlap_previous=overlap_previous)
     if sm90 is None:
         sm90 = (gemv is None and gemv_kernel is None and pipelined is None and forced_gemv_kernel() is None
                 and sm90_experts(a, weight, num_slots))
@@ -893,6 +893,9 @@ def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarra
 # graphs, so off: Moonlight decode ledger (H200, s11 D2) b1 / b16 / b64 2.757 / 8.035 / 9.857 ms off vs 2.809 / 8.079 /
 # 9.891 with this and OPENINFER_MLA_GATHER_Q (a graph's launches are cheap; a block per token does the combine's
 # loads serially where moe_combine spreads them over more blocks).
+# s13: the kernel rewritten (each thread's columns in registers, the slots' loads issued together; the same bits): D2
+# (H200, benchmarks/gpu_moe_grouped.py norms, graphs) 4.52 vs 4.73 us apart at 16 tokens, 4.62 vs 5.30 at 64; the
+# Moonlight step b1 / b16 / b64 0.978 / 0.996 / 0.994x (gpu_step_timeline.py, two rounds, within noise): still off.
 COMBINE_NORM_ENV = "OPENINFER_MOE_COMBINE_NORM"
 COMBINE_NORM_MAX_TOKENS = 128
 DEFAULT_COMBINE_NORM = False
@@ -965,8 +968,7 @@ def shared_fusion_fits(layer: DeviceMoE, shared_gate_up: cupy.ndarray, shared_do
     """Whether ``fuse_shared_experts`` can stack these shared weights (bf16 ``[2·S·I, H]`` and ``[H, S·I]``)
     onto ``layer``'s bf16 experts (I their intermediate size, H hidden; S ≥ 1, within MAX_TOPK / MAX_EXPERTS)."""
     gate_up, down = layer.gate_up, layer.down
-    if (layer.shared_experts or gate_up.format != "bf16" or down.format != "bf16" or gate_up.layout != "rows"
-            or down.layout != "rows"):
+    if layer.shared_experts or gate_up.format != "bf16" or down.format != "bf16":
         return False
     inter, hidden = gate_up.out_features // 2, gate_up.in_features
     if (shared_gate_up.ndim != 2 or shared_down.ndim != 2 or shared_gate_up.dtype != cupy.uint16
@@ -996,11 +998,8 @@ def fuse_shared_experts(layer: DeviceMoE, shared_gate_up: cupy.ndarray, shared_d
     down = cupy.empty((experts + count, hidden, inter), dtype=cupy.uint16)
     down[:experts] = layer.down.data
     down[experts:] = shared_down.reshape(hidden, count, inter).transpose(1, 0, 2)
-    gate_up_linear = ExpertLinear("bf16", gate_up, None, 2 * inter, hidden)
-    down_linear = ExpertLinear("bf16", down, None, hidden, inter)
-    if tiled_mode() == "load":  # held in moe_sm90's tiled layout only (the stacks above freed on return)
-        gate_up_linear, down_linear = tile_for_sm90(gate_up_linear, True), tile_for_sm90(down_linear, False)
-    return dataclasses.replace(layer, gate_up=gate_up_linear, down=down_linear, shared_experts=count)
+    return dataclasses.replace(layer, gate_up=ExpertLinear("bf16", gate_up, None, 2 * inter, hidden),
+                               down=ExpertLinear("bf16", down, None, hidden, inter), shared_experts=count)
 
 
 
@@ -1239,6 +1238,9 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     if layer.shared_experts and (shared is not None or shared_experts is not None):
         raise ValueError("this MoE layer's shared experts are fused into its expert stacks (fuse_shared_experts): "
                          "pass neither shared nor shared_experts")
+    # moe_route_decode's ticket zeroed before the side stream's fork point (see route_decode)
+    decode = route_decode_wanted(x, layer)
+    ticket = cupy.zeros(1, cupy.uint32) if decode else None
     route_first = shared_experts is not None and shared_after_route(int(x.shape[0]))
     # ROUTE_BEFORE_SHARED_ENV: the fork point here, the shared experts launched after the routing
     forked = shared_experts is not None and not route_first and route_before_shared(int(x.shape[0]))
@@ -1246,7 +1248,7 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
         fork_shared_experts()
     elif not route_first:
         shared, joined = start_shared_experts(x, shared_experts) if shared_experts is not None else (shared, None)
-    grouping = route_and_group(x, layer) if route_sort_wanted(
+    grouping = route_and_group(x, layer, ticket) if decode or route_sort_wanted(
         int(x.shape[0]), layer.router, layer.tid2eid, layer.shared_experts) else None
     if grouping is None:
         ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid,
@@ -1363,10 +1365,7 @@ def gate_up_silu_gemv(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGr
 
 
 def sm90_routed(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGroupingDevice) -> bool:
-    """Whether ``routed_experts`` runs both projections on the Hopper kernel (the down projection last): experts held
-    in its tiled layout always (a forced decode GEMV cannot read them)."""
-    if gate_up.layout in TILED_LAYOUTS:
-        return sm90_experts(x, gate_up, int(grouping.sorted_slots.size), True)
+    """Whether ``routed_experts`` runs both projections on the Hopper kernel (the down projection last)."""
     return forced_gemv_kernel() is None and sm90_experts(x, gate_up, int(grouping.sorted_slots.size), True)
 
 
@@ -1375,9 +1374,6 @@ def routed_experts(backend, x: cupy.ndarray, gate_up: ExpertLinear, down: Expert
     """The experts' rows in expert order, ``[T·k, H]``: gate_up (gathering token rows), SwiGLU, down,
     each by the kernel the step's slots per expert and the switches choose (``moe_forward``'s middle)."""
     sm90_gate_up = sm90_routed(x, gate_up, grouping)
-    if not sm90_gate_up and gate_up.layout in TILED_LAYOUTS:
-        raise ValueError(f"experts held in moe_sm90's {gate_up.layout} layout are read by moe_grouped_gemm_sm90 only "
-                         f"(an sm_90 GPU, 16-byte aligned token rows)")
     if sm90_gate_up:  # the grouping's kernel ran last on this stream (OPENINFER_MOE_GATE_UP_PDL)
         activated = grouped_gemm_sm90(x, gate_up, grouping, True, fuse_silu=True, after_grouping=True)
     elif pipelined_gate_up(x, gate_up, grouping, backend.blas):

@@ -80,6 +80,26 @@ DEFAULT_ROUTER_BLOCKS, DEFAULT_ROUTER_FUSED = False, False
 # can start beside the shared experts' GEMV blocks (s12 D2 timeline at b1: the 512-thread block waited ~6 us for
 # an SM with room, then ran 15-19 us; alone 14 us). The same ids, weights and layout.
 ROUTE_SORT_WARP_ENV, ROUTE_SORT_WARP_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT_WARP", 2
+# OPENINFER_MOE_ROUTE_DECODE=1 (opt-in until measured): ``route_and_group`` of a decode step (1..ROUTE_DECODE_MAX_TOKENS
+# tokens, a router without expert groups, no hash routing) in one launch, moe_routing.cu's moe_route_decode: the router
+# logits by a warp per (expert, token group) with the warp's router row loaded whole up front (the logits bits of
+# moe_router_logits), then the last block's top-k (two warp reductions a pick: warp_route_token's ids and weights) and
+# grouping (one warp scans the experts: moe_route_sort's layout). Three kernels (Moonlight at 16 tokens: logits 3.3 +
+# moe_route 5.4 + moe_sort_parallel 3.5 us, s12 D2b) or two (1 token: logits + moe_route_sort 9.1 us; Kimi-K2: 18.9 +
+# 13.9 beside the shared GEMV) become one, plus the ticket counter's memset node (zeroed per call: nothing shared
+# across streams or graphs; the last block also puts it back to zero).
+# OPENINFER_MOE_ROUTE_DECODE_WARPS (4 or 8; unset: 4 up to 4 tokens, else 8): warps a block, the top-k's parallelism.
+# OPENINFER_MOE_ROUTE_DECODE_GATE (registers / shared; unset: DEFAULT_ROUTE_DECODE_GATE): where a warp holds its router
+# row: ~145 registers a thread at Kimi-K2's hidden of 7168, or copied into dynamic shared memory by cp.async (77): a
+# block then fits an SM beside four blocks of a one-row GEMV (gemv_m1: 48 registers x 256 threads), as the shared
+# expert's gate_up beside the routing.
+ROUTE_DECODE_ENV, ROUTE_DECODE_WARPS_ENV = "OPENINFER_MOE_ROUTE_DECODE", "OPENINFER_MOE_ROUTE_DECODE_WARPS"
+ROUTE_DECODE_GATE_ENV, ROUTE_DECODE_GATES, DEFAULT_ROUTE_DECODE_GATE = (
+    "OPENINFER_MOE_ROUTE_DECODE_GATE", ("registers", "shared"), "registers")
+ROUTE_DECODE_MAX_TOKENS, ROUTE_DECODE_MAX_HIDDEN = 64, 8192  # moe_route_decode: ≤ 32 16-byte chunks a lane
+ROUTE_DECODE_X_BYTES = 44 * 1024  # moe_route_decode's staged x rows (static shared memory)
+DEFAULT_ROUTE_DECODE = False
+ROUTE_DECODE_DEFAULT_MAX_TOKENS = 64  # the switch unset (with DEFAULT_ROUTE_DECODE): steps of at most this many tokens
 GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
 GROUPING_METHODS = ("single", "blocks", "chunks")
@@ -179,13 +199,62 @@ def router_fused_wanted(x: cupy.ndarray, gate: cupy.ndarray) -> bool:
             and int(x.shape[1]) % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0)
 
 
-def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice | None:
+def route_decode_wanted(x: cupy.ndarray, layer: DeviceMoE) -> bool:
+    """Whether ``route_and_group`` runs as moe_route_decode (see ROUTE_DECODE_ENV): the switch (1 / 0, unset: the
+    default up to ROUTE_DECODE_DEFAULT_MAX_TOKENS tokens; another value: a clear error) and the kernel's needs:
+    1..ROUTE_DECODE_MAX_TOKENS tokens, a router
+    without expert groups, no hash routing, rows of whole 16-byte pieces (aligned) up to ROUTE_DECODE_MAX_HIDDEN,
+    the experts, slots and picks within its shared arrays and one warp."""
+    spec, shared = layer.router, layer.shared_experts
+    tokens, hidden = int(x.shape[0]), int(x.shape[1])
+    unset = os.environ.get(ROUTE_DECODE_ENV, "") == ""
+    if unset and (_switch(ROUTER_FUSED_ENV) or _switch(ROUTER_BLOCKS_ENV)):
+        return False  # unset, the other decode routers asked for by name run (their own logits order)
+    most = ROUTE_DECODE_DEFAULT_MAX_TOKENS if unset else ROUTE_DECODE_MAX_TOKENS
+    return (_switch(ROUTE_DECODE_ENV, default=DEFAULT_ROUTE_DECODE) and 0 < tokens <= most
+            and layer.tid2eid is None and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups)
+            and hidden % 8 == 0 and hidden <= ROUTE_DECODE_MAX_HIDDEN and x.data.ptr % 16 == 0
+            and layer.gate.data.ptr % 16 == 0 and spec.top_k <= spec.num_experts
+            and spec.num_experts + shared <= MAX_EXPERTS and spec.top_k + shared <= 32
+            and tokens * (spec.top_k + shared) * 4 <= ROUTE_DECODE_X_BYTES)
+
+
+def route_decode_shape(tokens: int, hidden: int, num_experts: int, slots: int) -> tuple[int, dict[str, int]]:
+    """moe_route_decode's grid and defines for a step: token groups of up to 4 tokens whose bf16 rows fit the staged
+    bytes, blocks of ROUTE_DECODE_WARPS_ENV warps (4 up to 4 tokens, else 8), one warp per expert and group; the
+    router rows in registers or shared memory (ROUTE_DECODE_GATE_ENV; its bytes: ``route_decode_gate_bytes``)."""
+    value = os.environ.get(ROUTE_DECODE_WARPS_ENV, "").strip()
+    if value not in ("", "4", "8"):
+        raise ValueError(f"{ROUTE_DECODE_WARPS_ENV} must be 4 or 8, got {value!r}")
+    place = os.environ.get(ROUTE_DECODE_GATE_ENV, "").strip() or DEFAULT_ROUTE_DECODE_GATE
+    if place not in ROUTE_DECODE_GATES:
+        raise ValueError(f"{ROUTE_DECODE_GATE_ENV} must be one of {', '.join(ROUTE_DECODE_GATES)}, got {place!r}")
+    warps = int(value) if value else 4 if tokens <= 4 else 8
+    group = max(g for g in (1, 2, 4) if g == 1 or g * hidden * 2 <= ROUTE_DECODE_X_BYTES)
+    group = min(group, tokens)
+    staged = -(-max(group * hidden * 2, slots * 4) // 16) * 16
+    grid = -(-tokens // group) * -(-num_experts // warps)
+    return grid, {"ROUTE_DECODE_WARPS": warps, "ROUTE_DECODE_TOKENS": group, "ROUTE_DECODE_CHUNKS": -(-hidden // 256),
+                  "ROUTE_DECODE_PER_LANE": -(-num_experts // 32), "ROUTE_DECODE_X_BYTES": staged,
+                  "ROUTE_DECODE_GATE_SMEM": int(place == "shared")}
+
+
+def route_decode_gate_bytes(defines: dict[str, int]) -> int:
+    """moe_route_decode's dynamic shared memory: the warps' router rows (ROUTE_DECODE_GATE_SMEM), else none."""
+    return defines["ROUTE_DECODE_WARPS"] * defines["ROUTE_DECODE_CHUNKS"] * 512 if defines["ROUTE_DECODE_GATE_SMEM"] else 0
+
+
+def route_and_group(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | None = None
+                    ) -> ExpertGroupingDevice | None:
     """``group_by_expert(*route(x, ...))`` of ``layer`` in two launches: router_logits, then moe_route_sort
     (the same ids and weights as moe_route_warps, moe_sort_parallel's offsets and tile list; each expert's
     slots in the order atomics hand out, as there). None where the logits kernel does not run (unaligned
-    rows): the caller routes the usual way. The caller checks ``route_sort_wanted``."""
+    rows): the caller routes the usual way. The caller checks ``route_sort_wanted``; where ``route_decode_wanted``,
+    one launch instead (``route_decode``, its counter ``ticket`` where given)."""
     spec, shared = layer.router, layer.shared_experts
     check_router(spec, shared)
+    if route_decode_wanted(x, layer):
+        return route_decode(x, layer, ticket)
     fused = router_fused_wanted(x, layer.gate) and layer.tid2eid is None
     logits = (cupy.empty((int(x.shape[0]), spec.num_experts), cupy.float32) if fused
               else router_logits(x, layer.gate, spec, layer.tid2eid))
@@ -216,6 +285,40 @@ def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice |
         np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights,
         grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
         grouping.num_tiles, np.int32(tiles)), **defines)
+    return grouping
+
+
+def route_decode(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | None = None) -> ExpertGroupingDevice:
+    """``route_and_group`` in one launch, moe_route_decode (the caller checks ``route_decode_wanted``): the same ids,
+    weights and layout as router_logits + moe_route_sort (each expert's slots in the order atomics hand out).
+    ``ticket``: the kernel's counter, one zeroed uint32 of this call alone (default: zeroed here; ``moe_forward``
+    zeroes it before the shared experts' fork point, so the memset is not a node between that point and the
+    router, where the shared GEMV would take the SMs first)."""
+    spec, shared = layer.router, layer.shared_experts
+    num_tokens, hidden = int(x.shape[0]), int(x.shape[1])
+    width = spec.top_k + shared
+    num_slots, num_experts = num_tokens * width, spec.num_experts + shared
+    tiles = max_tiles(num_slots, num_experts)
+    grouping = ExpertGroupingDevice(
+        cupy.empty((num_tokens, width), cupy.int32), cupy.empty((num_tokens, width), cupy.float32),
+        cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32), cupy.empty(num_experts + 1, cupy.int32),
+        cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(1, cupy.int32),
+        tiles, width)
+    grid, defines = route_decode_shape(num_tokens, hidden, spec.num_experts, num_slots)
+    if shared:
+        defines["ROUTE_SHARED_EXPERTS"] = shared
+    logits = cupy.empty((num_tokens, spec.num_experts), cupy.float32)
+    fn, gate_bytes = kernel("moe_routing.cu", "moe_route_decode", **defines), route_decode_gate_bytes(defines)
+    if fn.max_dynamic_shared_size_bytes < gate_bytes:
+        fn.max_dynamic_shared_size_bytes = gate_bytes
+    fn((grid,), (defines["ROUTE_DECODE_WARPS"] * 32,), (
+        x, layer.gate, np.int32(num_tokens), np.int32(hidden), logits,
+        cupy.zeros(1, cupy.uint32) if ticket is None else ticket,
+        NULL if layer.correction_bias is None else layer.correction_bias, np.int32(spec.num_experts),
+        np.int32(spec.top_k), np.int32(SCORING[spec.scoring]), np.int32(spec.norm_topk_prob),
+        np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights, grouping.offsets, grouping.sorted_slots,
+        grouping.slot_pos, grouping.tile_expert, grouping.tile_row, grouping.num_tiles, np.int32(tiles)),
+       shared_mem=gate_bytes)
     return grouping
 
 

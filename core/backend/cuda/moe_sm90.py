@@ -40,11 +40,9 @@ from typing import TYPE_CHECKING
 import cupy
 import numpy as np
 
-from openinfer.backend.cuda.loader import arch_kernel, discovering
+from openinfer.backend.cuda.loader import arch_kernel
 from openinfer.backend.cuda.pdl_launch import launch
-from openinfer.backend.cuda.sm90_tiles import tiled_weight
 from openinfer.backend.cuda.tensor_maps import TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
-from openinfer.backend.cuda.weight_upload import wait_for_deferred_uploads
 
 if TYPE_CHECKING:
     from openinfer.backend.cuda.moe import ExpertGroupingDevice, ExpertLinear
@@ -62,24 +60,6 @@ SM90_MAX_SHARED_BYTES = 227 * 1024 - 2 * 513 * 4  # an H100's opt-in limit less 
 # ran before: 239 vs 257 us at 16 tokens (moe_gemv_wide), 276 vs 307 at 32, 285 vs 316 at 48, 287 vs 318
 # at 64); below, unmeasured: the decode GEMVs keep those steps.
 SM90_ABOVE_ROWS_PER_EXPERT = 1.4
-# OPENINFER_MOE_SM90_ABOVE=<slots per expert> moves that bound (opt-in A/B: 0 runs the Hopper kernel at every decode
-# size, one token included, where a unit's weights stream on their own CTA: with the tiled layout a contiguous run)
-SM90_ABOVE_ENV = "OPENINFER_MOE_SM90_ABOVE"
-
-
-def sm90_above_rows_per_expert() -> float:
-    """$OPENINFER_MOE_SM90_ABOVE (a number >= 0; unset: SM90_ABOVE_ROWS_PER_EXPERT; another value: a clear error)."""
-    text = os.environ.get(SM90_ABOVE_ENV, "")
-    if text == "":
-        return SM90_ABOVE_ROWS_PER_EXPERT
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ValueError(f"{SM90_ABOVE_ENV} is a number of slots per expert >= 0, got {text!r}")
-    return value
-
 # CTA pairs (clusters of 2) on 256-slot units of one expert, each weight tile copied once for both by
 # TMA multicast (a lone CTA's 128 x 256 tile reads 768 bytes from L2 per k column for 64 K MMAs, a
 # pair's CTA 512), from this many slots per expert on (a pair's unit is 256 slots: fewer leave its
@@ -103,9 +83,6 @@ class Sm90Shape:
     stream_k: bool = False
     k_sub: int = 1
     ctas_per_sm: int = 1  # persistent CTAs per SM (sm90_grid): 2 run two producers' rings side by side
-    tiled_weights: bool = False  # SM90_TILED_B: the weight repacked so each unit's k-tiles are one run (tiled_weight)
-    k_rotate: bool = False  # SM90_K_ROTATE: unit u reads its k-tiles from u % k_tiles on (K_ROTATE_ENV)
-    tiled_box64: bool = False  # SM90_TILED_BOX64: the tiled copy read in 64-row boxes (two a stage) where one would do
 
     @property
     def threads(self) -> int:
@@ -150,21 +127,14 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
     "m64_n128_k2_x2": Sm90Shape(tile_m=64, tile_n=128, k_sub=2, stages=2, ctas_per_sm=2),
     "m64_n128_s4_x2": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2),
     # stream-K over the decode shape: each CTA the same number of k-tiles (a unit is the same weight bytes whatever its
-    # slots, so the last of ~4.3 waves of whole units leaves two thirds of the CTAs idle at 16 tokens)
+    # slots, so the last of ~4.3 waves of whole units leaves two thirds of the CTAs idle at 16 tokens). Slower: s13 D1 /
+    # D2 (H200, gpu_moe_grouped.py experts, 16 tokens) gate_up 163 vs 146 us, down 89 vs 77; Moonlight b16 step 0.90x.
+    # Not chosen, as are (measured and deleted in s13): the weights repacked at load so each unit's k-tiles are one
+    # contiguous run (gate_up 151.9 vs 145.9 us, in one 16 KB TMA box a stage or two of 8 KB; step 0.979x), each unit's
+    # k-tiles rotated to start at unit % k_tiles (147.8 vs 146.9 us; step 0.985x), this kernel at one token in place
+    # of the decode GEMV (step b1 0.96x). The row layout's 128-byte row pieces read from 264 CTAs are at ~94 % of the
+    # read-only stream already (gate_up; down ~89 %).
     "m64_n128_s4_x2_sk": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, stream_k=True),
-    # the same two on the repacked weight (SM90_TILED_B, tiled_weight): each unit's weights one contiguous run
-    "m64_n128_s4_x2_tw": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, tiled_weights=True),
-    "m64_n128_s4_x2_sk_tw": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, stream_k=True,
-                                      tiled_weights=True),
-    # the prefill shape on the same copy (256-row tiles: four 64-row boxes a stage, fused; two of 128 rows' halves)
-    "base_tw": Sm90Shape(tiled_weights=True),
-    # the decode shape with each unit's k-tiles rotated (SM90_K_ROTATE), on the rows and on the tiled copy
-    "m64_n128_s4_x2_kr": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, k_rotate=True),
-    "m64_n128_s4_x2_tw_kr": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, tiled_weights=True,
-                                      k_rotate=True),
-    # the tiled copy in two 64-row boxes a stage (D1: one 16 KB box a stage read 3-4 % slower than the rows' two)
-    "m64_n128_s4_x2_tw64": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, tiled_weights=True,
-                                     tiled_box64=True),
 }
 # The shape by slots per expert (the first entry whose bound holds). Default since E1 (H200, 2026-11-24,
 # benchmarks/results/moe_grouped_experts_e1_h200.json; OPENINFER_MOE_SM90_SHAPE=base reverts): up to 24 slots
@@ -249,99 +219,19 @@ def b_first(slots_per_expert: float = 0.0) -> bool:
     return text == "1"
 
 
-# OPENINFER_MOE_SM90_TILED (opt-in until a device A/B says faster; =1 on): decode-sized launches (up to
-# DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT slots per expert) of a shape with 64-wide k stages read a copy of the weight
-# repacked so each work unit's k-tiles are one contiguous run (moe_sm90.cu SM90_TILED_B, ``tiled_weight``): one TMA box
-# of TILE_N rows x 128 bytes a stage, a unit one 512 KB run (Moonlight gate_up) where the row layout reads 128 bytes
-# from each of 128 rows 4 KB apart (s12 D1's read ceilings: 128-byte runs of 128 rows 4.18 TB/s, a linear read 4.47).
-# The copy is made at a launch's first eager call and kept beside the row layout (the decode GEMV at one token and
-# the prefill shapes read the rows); a launch being captured before its copy exists reads the rows. The same bits.
-TILED_ENV = "OPENINFER_MOE_SM90_TILED"
-DEFAULT_TILED = "0"
-TILED_BLOCK_ROWS = 128  # the layout's block: the decode shape's tile (one box a stage); other tiles read 64-row boxes
-# OPENINFER_MOE_SM90_TILED=load: the experts are held in the tiled layout only (``tile_for_sm90``, at load: the row
-# layout freed), so every launch reads them through moe_grouped_gemm_sm90 (one token included: the decode GEMV reads
-# rows) and no second copy lives. ExpertLinear.layout says which: the down projection's plain blocks, or gate_up's
-# (each block's gate rows, then its up rows: read only with SiLU·mul fused).
-TILED_LAYOUTS = ("sm90_tiled", "sm90_tiled_gate_up")
+# OPENINFER_MOE_SM90_EVICT_FIRST (opt-in A/B; =1 on): the weight boxes copied with an L2 evict-first policy (moe_sm90.cu
+# SM90_EVICT_FIRST), so a layer's ~0.9 GB of expert weights streaming through L2 stop evicting the small arrays the
+# kernels right after the MoE read back (residual, combine rows, norm weights). Single CTAs, no L2 look-ahead; a hint:
+# the same bits.
+EVICT_FIRST_ENV = "OPENINFER_MOE_SM90_EVICT_FIRST"
 
 
-def tiled_mode() -> str:
-    """$OPENINFER_MOE_SM90_TILED: "0" (off), "1" (decode launches read lazy tiled copies) or "load" (the experts held
-    tiled; decode launches of any other weight as "1"); unset: DEFAULT_TILED; another value: a clear error."""
-    value = os.environ.get(TILED_ENV, "").lower() or DEFAULT_TILED
-    value = {"false": "0", "off": "0", "true": "1", "on": "1"}.get(value, value)
-    if value not in ("0", "1", "load"):
-        raise ValueError(f"{TILED_ENV} must be 1, 0 or load, got {value!r}")
-    return value
-
-
-def tile_for_sm90(weight: ExpertLinear, fuse_silu: bool) -> ExpertLinear:
-    """``weight`` (bf16 experts, row layout) repacked into TILED_LAYOUTS (``tiled_weight``: ``[E, n-blocks · k-tiles ·
-    128, 64]``) where moe_grouped_gemm_sm90 can read it (``sm90_weight_ready``); otherwise ``weight`` itself. Takes a
-    second copy while it runs; the caller drops the first."""
-    if weight.layout != "rows" or not sm90_weight_ready(weight, fuse_silu):
-        return weight
-    wait_for_deferred_uploads()
-    tiled = tiled_weight(weight.data, TILED_BLOCK_ROWS, fuse_silu, xp=cupy)
-    return dataclasses.replace(weight, data=tiled.reshape(weight.num_experts, -1, SM90_TILE_K),
-                               layout=TILED_LAYOUTS[int(fuse_silu)])
-
-
-# OPENINFER_MOE_SM90_DOWN_SK (opt-in A/B; =1 on): decode-sized down projections (not gate_up, whose last wave the down
-# launch overlaps through PDL) run their shape's stream-K build: every CTA the same share of units x k-tiles, so the
-# last of ~3.2 waves of whole units (Moonlight at 16 tokens: 832 units over 264 CTAs) leaves no SMs idle before
-# moe_combine. Sums cut units through the fp32 workspace: not the whole-unit bits (within fp32 rounding).
-DOWN_SK_ENV = "OPENINFER_MOE_SM90_DOWN_SK"
-
-
-# OPENINFER_MOE_SM90_K_ROTATE (opt-in A/B; =1 on): launches of whole units (no stream-K, no L2 look-ahead) read each
-# unit's k-tiles from k-tile unit % k_tiles on (moe_sm90.cu SM90_K_ROTATE), so the CTAs streaming at once read different
-# 128-byte columns of their rows. Each output's fp32 sum in another k order: not the default's bits.
-K_ROTATE_ENV = "OPENINFER_MOE_SM90_K_ROTATE"
-
-
-def k_rotate_wanted() -> bool:
-    """$OPENINFER_MOE_SM90_K_ROTATE (1 / 0, unset: off; another value: a clear error)."""
-    value = os.environ.get(K_ROTATE_ENV, "").lower()
+def evict_first_wanted() -> bool:
+    """$OPENINFER_MOE_SM90_EVICT_FIRST (1 / 0, unset: off; another value: a clear error)."""
+    value = os.environ.get(EVICT_FIRST_ENV, "").lower()
     if value not in ("", "0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"{K_ROTATE_ENV} must be 1 or 0 (on / off), got {value!r}")
+        raise ValueError(f"{EVICT_FIRST_ENV} must be 1 or 0 (on / off), got {value!r}")
     return value in ("1", "true", "on")
-
-
-def down_stream_k(slots_per_expert: float) -> bool:
-    """$OPENINFER_MOE_SM90_DOWN_SK (1 / 0, unset: off) for launches of at most DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT
-    slots per expert; another value: a clear error."""
-    value = os.environ.get(DOWN_SK_ENV, "").lower()
-    if value not in ("", "0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"{DOWN_SK_ENV} must be 1 or 0 (on / off), got {value!r}")
-    return value in ("1", "true", "on") and slots_per_expert <= DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT
-
-
-def tiled_wanted(slots_per_expert: float) -> bool:
-    """Whether a row-layout weight's launch of ``slots_per_expert`` reads a lazy tiled copy: ``tiled_mode`` 1 or load,
-    at most DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT slots per expert."""
-    return tiled_mode() != "0" and slots_per_expert <= DEFAULT_PRODUCER_MAX_ROWS_PER_EXPERT
-
-
-# the repacked copies: (weight address, shape, block rows, fused) -> (the source array, kept so its address stays its
-# own while the copy lives; the copy)
-_tiled_copies: dict[tuple[int, tuple[int, ...], int, bool], tuple[cupy.ndarray, cupy.ndarray]] = {}
-
-
-def tiled_copy(weight: ExpertLinear, fuse_silu: bool, block_rows: int = TILED_BLOCK_ROWS) -> cupy.ndarray | None:
-    """The SM90_TILED_B copy of ``weight`` (``tiled_weight``; made on first use, outside a graph capture, from CuPy's
-    default pool); None while a capture runs and none exists yet."""
-    key = (weight.data.data.ptr, tuple(weight.data.shape), block_rows, fuse_silu)
-    found = _tiled_copies.get(key)
-    if found is None:
-        if cupy.cuda.get_current_stream().is_capturing():
-            return None
-        wait_for_deferred_uploads()  # the weight's own bytes may still be on their way (OPENINFER_WEIGHTS_JOIN)
-        with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
-            found = (weight.data, tiled_weight(weight.data, block_rows, fuse_silu, xp=cupy))
-        _tiled_copies[key] = found
-    return found[1]
 
 
 def sm90_pdl() -> bool:
@@ -383,19 +273,12 @@ def sm90_supported() -> bool:
 
 
 def sm90_ready(a: cupy.ndarray, weight: ExpertLinear, fuse_silu: bool = False) -> bool:
-    """moe_grouped_gemm_sm90's needs: 16-byte aligned A rows and ``sm90_weight_ready``."""
-    return a.data.ptr % 16 == 0 and sm90_weight_ready(weight, fuse_silu)
-
-
-def sm90_weight_ready(weight: ExpertLinear, fuse_silu: bool = False) -> bool:
-    """The weight's part of moe_grouped_gemm_sm90's needs: an sm_90 GPU, bf16 weights of at most SM90_MAX_EXPERTS
-    experts, K % 8 == 0 (16-byte rows for cp.async and TMA), a contiguous, 16-byte aligned weight (its tensor map),
-    an even N (fused: N = 2I with I even), row indices within int32, K >= 64 and E·N >= 128 (a whole TMA box); held
-    in a tiled layout (``tile_for_sm90``): the one its projection reads (gate_up fused or not)."""
-    if weight.layout in TILED_LAYOUTS and (weight.layout == TILED_LAYOUTS[1]) != fuse_silu:
-        return False
+    """moe_grouped_gemm_sm90's needs: an sm_90 GPU, bf16 weights of at most SM90_MAX_EXPERTS experts,
+    K % 8 == 0 (16-byte rows for cp.async and TMA), 16-byte aligned A rows and a contiguous, 16-byte
+    aligned weight (its tensor map), an even N
+    (fused: N = 2I with I even), row indices within int32, K >= 64 and E·N >= 128 (a whole TMA box)."""
     return (weight.format == "bf16" and weight.num_experts <= SM90_MAX_EXPERTS and weight.in_features % 8 == 0
-            and weight.data.data.ptr % 16 == 0 and weight.data.flags.c_contiguous
+            and a.data.ptr % 16 == 0 and weight.data.data.ptr % 16 == 0 and weight.data.flags.c_contiguous
             and weight.out_features % (4 if fuse_silu else 2) == 0
             and weight.num_experts * weight.out_features < 2**31 and sm90_supported()
             # the tensor map's box (64 x 128) inside the weight: toy shapes keep the other kernels
@@ -425,15 +308,6 @@ def weight_box_layout(weight: ExpertLinear, box_rows: int = SM90_BOX_ROWS) -> Pa
     return PageBoxLayout(dims=(k, 1, rows), strides=(2 * k, 2 * k), box=(SM90_TILE_K, 1, box_rows))
 
 
-def tiled_box_layout(tiled: cupy.ndarray, tiles: Sm90Shape, block_rows: int = TILED_BLOCK_ROWS) -> PageBoxLayout:
-    """The tensor-map layout of a ``tiled_weight`` copy: rows of 64 elements, boxes of one block (a tile as wide as
-    the block) or 64 rows (other tiles, or ``tiled_box64``: moe_sm90.cu load_tiled_weights)."""
-    rows = int(tiled.shape[0])
-    one_box = tiles.tile_n == block_rows and not tiles.tiled_box64
-    return PageBoxLayout(dims=(SM90_TILE_K, 1, rows), strides=(2 * SM90_TILE_K, 2 * SM90_TILE_K),
-                         box=(SM90_TILE_K, 1, block_rows if one_box else 64))
-
-
 class WeightMaps:
     """The tensor map of each weight array, encoded once (host bytes: a kernel parameter). Keyed by
     device address and layout, so an array freed and reallocated alike reuses a map still right."""
@@ -442,10 +316,7 @@ class WeightMaps:
         self._maps: dict[tuple[int, PageBoxLayout], np.ndarray] = {}
 
     def get(self, weight: ExpertLinear, box_rows: int = SM90_BOX_ROWS) -> np.ndarray:
-        return self.of(weight.data.data.ptr, weight_box_layout(weight, box_rows))
-
-    def of(self, address: int, layout: PageBoxLayout) -> np.ndarray:
-        key = (address, layout)
+        key = (weight.data.data.ptr, weight_box_layout(weight, box_rows))
         found = self._maps.get(key)
         if found is None:
             found = encode_page_map(*key).view(TENSOR_MAP_PARAM)
@@ -472,22 +343,22 @@ def sm90_grid(num_slots: int, weight: ExpertLinear, fuse_silu: bool, multicast: 
 _workspaces: dict[tuple[int, int, bool, bool], tuple[cupy.ndarray, cupy.ndarray]] = {}
 
 
-def _stream_k_workspace(fuse_silu: bool, gather: bool, partial_floats: int) -> tuple[cupy.ndarray, cupy.ndarray] | None:
-    """The stream-K flags and fp32 partials of launches like this one (device, stream, projection), kept across
-    launches. The flags are zeros, and left zeros by every launch (moe_sm90.cu), so no memset sits between gate_up and
-    down; the partials are the launch's own while it runs, never a pool block the launch before (which PDL lets
-    run beside it: gate_up before down) may still write. None while a graph is being captured and no big enough
-    workspace exists (the flags cannot be zeroed then)."""
+def _stream_k_workspace(fuse_silu: bool, gather: bool) -> tuple[cupy.ndarray, cupy.ndarray] | None:
+    """The stream-K flags and fp32 partials of launches like this one (device, stream, projection), made once for
+    every shape's largest grid and kept (graphs captured with them replay on them). The flags are zeros, and left zeros
+    by every launch (moe_sm90.cu), so no memset sits between gate_up and down; the partials are the launch's own
+    while it runs, never a pool block the launch before (which PDL lets run beside it: gate_up before down) may still
+    write. None while a graph is being captured and none exists yet (the flags cannot be zeroed then)."""
     stream = cupy.cuda.get_current_stream()
     key = (cupy.cuda.Device().id, stream.ptr, fuse_silu, gather)
     found = _workspaces.get(key)
-    if found is None or found[1].size < partial_floats:
+    if found is None:
         if stream.is_capturing():
             return None
-        # a flag per CTA of the largest grid: SMs x the most CTAs per SM of any shape
-        most = max(shape.ctas_per_sm for shape in SM90_SHAPES.values())
-        flags = found[0] if found is not None else cupy.zeros(_device_traits(key[0])[1] * most, dtype=cupy.int32)
-        found = _workspaces[key] = (flags, cupy.empty(partial_floats, dtype=cupy.float32))
+        # a flag and a tile of fp32 partials per CTA of the largest grid: SMs x the most CTAs per SM of any shape
+        ctas = _device_traits(key[0])[1] * max(shape.ctas_per_sm for shape in SM90_SHAPES.values())
+        tile = max(shape.tile_m * shape.tile_n for shape in SM90_SHAPES.values())
+        found = _workspaces[key] = (cupy.zeros(ctas, dtype=cupy.int32), cupy.empty(ctas * tile, dtype=cupy.float32))
     return found
 
 
@@ -509,10 +380,10 @@ def rotated_units(last_experts: int):
 
 
 def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl: int = 0, rotate: int = 0,
-                ahead: int = 0, weights_first: bool = False):
+                ahead: int = 0, weights_first: bool = False, evict_first: bool = False):
     """The moe_grouped_gemm_sm90 build for ``tiles`` (arch_kernel: compiled once; a dry run records it); ``pdl``
     (moe_sm90.cu SM90_PDL): 0 none, 1 (or True) weights before the wait, 2 the wait first; ``ahead``: SM90_L2_AHEAD;
-    ``weights_first``: SM90_B_FIRST."""
+    ``weights_first``: SM90_B_FIRST; ``evict_first``: SM90_EVICT_FIRST."""
     # the default build keeps its define set as before the shapes existed
     extra = {} if tiles == SM90_SHAPES["base"] else {
         "SM90_TILE_M": tiles.tile_m, "SM90_TILE_N": tiles.tile_n, "SM90_SKIP_EMPTY": int(tiles.skip_empty),
@@ -531,16 +402,10 @@ def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl:
         extra["SM90_L2_AHEAD"] = int(ahead)
     if weights_first:
         extra["SM90_B_FIRST"] = 1
-    if tiles.tiled_weights:
-        if multicast or tiles.k_sub != 1 or ahead:
-            raise ValueError("moe_sm90's tiled-weight build runs single CTAs on 64-wide k stages, no L2 look-ahead")
-        extra["SM90_TILED_B"] = TILED_BLOCK_ROWS
-        if tiles.tiled_box64:
-            extra["SM90_TILED_BOX64"] = 1
-    if tiles.k_rotate:
-        if multicast or tiles.stream_k or ahead:
-            raise ValueError("moe_sm90's rotated-k build runs single CTAs over whole units, no L2 look-ahead")
-        extra["SM90_K_ROTATE"] = 1
+    if evict_first:
+        if multicast or ahead:
+            raise ValueError("moe_sm90's evict-first build runs single CTAs without the L2 look-ahead")
+        extra["SM90_EVICT_FIRST"] = 1
     return arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", tiles.shared_bytes(), SM90_STAGES=tiles.stages,
                        SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast), **extra)
 
@@ -566,20 +431,6 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     tiles = SM90_SHAPES["base"] if multicast and shape is None else sm90_shape(num_slots / weight.num_experts, shape)
     if stages is not None:
         tiles = dataclasses.replace(tiles, stages=stages)
-    per_expert = num_slots / weight.num_experts
-    held_tiled = weight.layout in TILED_LAYOUTS
-    if held_tiled:
-        if (weight.layout == TILED_LAYOUTS[1]) != fuse_silu or multicast or tiles.k_sub != 1:
-            raise ValueError(f"moe_sm90: a weight held {weight.layout} is read {'with' if fuse_silu else 'without'} "
-                             f"SiLU·mul by a single-CTA shape of 64-wide k stages; got {tiles}, multicast {multicast}")
-        tiles = dataclasses.replace(tiles, tiled_weights=True)
-    elif (not tiles.tiled_weights and not multicast and tiles.k_sub == 1 and tiled_wanted(per_expert)
-            and l2_ahead(per_expert) == 0):
-        tiles = dataclasses.replace(tiles, tiled_weights=True)
-    if not fuse_silu and not multicast and not tiles.stream_k and down_stream_k(per_expert):
-        tiles = dataclasses.replace(tiles, stream_k=True)
-    if not multicast and not tiles.stream_k and not tiles.k_rotate and k_rotate_wanted() and l2_ahead(per_expert) == 0:
-        tiles = dataclasses.replace(tiles, k_rotate=True)
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
     out = cupy.empty((num_slots, out_features), dtype=cupy.uint16)
     if num_slots == 0:
@@ -588,29 +439,21 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     shared = tiles.shared_bytes()
     if shared > SM90_MAX_SHARED_BYTES:
         raise ValueError(f"moe_sm90 tiles {tiles} need {shared} bytes of shared memory (at most {SM90_MAX_SHARED_BYTES})")
-    # the tiled copy (a dry run records the tiled build and copies nothing: its launch does nothing)
-    if held_tiled:
-        tiled = weight.data.reshape(-1, SM90_TILE_K)
-    else:
-        tiled = tiled_copy(weight, fuse_silu) if tiles.tiled_weights and not discovering() else None
-    if tiles.tiled_weights and tiled is None and not discovering():  # first met inside a graph capture: the rows
-        tiles = dataclasses.replace(tiles, tiled_weights=False)
     wait_first = after_grouping and not multicast and gate_up_pdl()
     pdl = 2 if wait_first else int(sm90_pdl() and not multicast)
-    ahead = l2_ahead(per_expert) if not (multicast or tiles.stream_k or tiles.tiled_weights or tiles.k_rotate) else 0
+    per_expert = num_slots / weight.num_experts
+    ahead = l2_ahead(per_expert) if not (multicast or tiles.stream_k) else 0
     fn = sm90_kernel(tiles, fuse_silu, multicast, pdl, _rotate_units if _rotate_units < weight.num_experts else 0,
-                     ahead, b_first(per_expert))
+                     ahead, b_first(per_expert), evict_first_wanted() and not (multicast or ahead))
     grid = sm90_grid(num_slots, weight, fuse_silu, multicast, tiles)
-    weight_map = (weight_maps.get(weight, tiles.tile_n // 2) if tiled is None
-                  else weight_maps.of(tiled.data.ptr, tiled_box_layout(tiled, tiles)))
-    args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k), weight_map,
-            grouping.offsets, np.int32(weight.num_experts), out, np.int32(weight.out_features),
-            np.int32(weight.in_features))
+    args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
+            weight_maps.get(weight, tiles.tile_n // 2), grouping.offsets, np.int32(weight.num_experts), out,
+            np.int32(weight.out_features), np.int32(weight.in_features))
     if tiles.stream_k:  # each CTA's part of a unit cut at its start (fp32, fragment order), and its flag
-        partial_floats = grid * tiles.tile_m * tiles.tile_n
-        workspace = _stream_k_workspace(fuse_silu, gather, partial_floats)
+        workspace = _stream_k_workspace(fuse_silu, gather)
         if workspace is None:  # first met inside a graph capture: its own (a memset node before it; not overlapped)
-            workspace = (cupy.zeros(grid, dtype=cupy.int32), cupy.empty(partial_floats, dtype=cupy.float32))
+            workspace = (cupy.zeros(grid, dtype=cupy.int32),
+                         cupy.empty(grid * tiles.tile_m * tiles.tile_n, dtype=cupy.float32))
             overlap_previous = False
         flags, partials = workspace
         args += (partials, flags)
@@ -623,9 +466,6 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
 
 def sm90_experts(a: cupy.ndarray, weight: ExpertLinear, num_slots: int, fuse_silu: bool = False) -> bool:
     """Whether a grouped GEMM of ``num_slots`` slots takes moe_grouped_gemm_sm90: switched on
-    (``sm90_enabled``), ``sm90_ready`` and more than ``sm90_above_rows_per_expert`` slots per expert; a weight held
-    in a tiled layout wherever ``sm90_ready``."""
-    if weight.layout in TILED_LAYOUTS:  # nothing else reads it (moe.grouped_gemm refuses it)
-        return sm90_ready(a, weight, fuse_silu)
-    return (sm90_enabled() and num_slots > sm90_above_rows_per_expert() * weight.num_experts
+    (``sm90_enabled``), ``sm90_ready`` and more than SM90_ABOVE_ROWS_PER_EXPERT slots per expert."""
+    return (sm90_enabled() and num_slots > SM90_ABOVE_ROWS_PER_EXPERT * weight.num_experts
             and sm90_ready(a, weight, fuse_silu))

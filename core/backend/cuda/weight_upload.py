@@ -25,6 +25,10 @@ while the engine discovers and compiles its kernels (dry forwards read no weight
 ``wait_for_deferred_uploads()`` joins them before the first real forward. Only for loads that do
 no device arithmetic on bf16 weights after uploading them (a dense bf16 decoder's); fp32 tensors,
 which ``CudaBackend.weight`` narrows on the device, are always copied at once.
+
+Small weights a plugin keeps as they are (fp32 norm weights, per-head parameters) go through
+``upload_vector``: allocated and copied on the uploader's own non-blocking stream, so that they
+never wait behind the legacy stream's work.
 """
 
 from __future__ import annotations
@@ -115,6 +119,7 @@ class WeightUploader:
                                    cupy.cuda.Event(block=False, disable_timing=True))
                 self._buffers.append(staging)
                 self._free.put(staging)
+            self._vector_stream = cupy.cuda.Stream(non_blocking=True)  # upload_vector's
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="openinfer-upload",
                                         initializer=lambda: cupy.cuda.Device(device_id).use())
 
@@ -127,45 +132,58 @@ class WeightUploader:
             return cupy.asarray(host)  # a constant made inside a graph capture: CuPy's path, as before
         if out is None:
             out = cupy.empty(host.shape, dtype=host.dtype)
-        if not out.flags.c_contiguous or offset_bytes + host.nbytes > out.nbytes:
-            raise ValueError(f"cannot copy {host.nbytes} bytes at offset {offset_bytes} into a "
-                             f"{'non-contiguous ' if not out.flags.c_contiguous else ''}device array of {out.nbytes}")
+        _check_destination(host, out, offset_bytes)
         deferred = getattr(_deferring, "uploads", None)
         if deferred is not None and host.dtype.itemsize == 2:
             deferred.copies.append((self.device_id, host, out, offset_bytes))
             return out
-        source = host.reshape(-1).view(np.uint8)
-        destination = out.data.ptr + offset_bytes
         if host.nbytes < SMALL_BYTES:
-            cupy.cuda.runtime.memcpy(destination, source.ctypes.data, host.nbytes, cupy.cuda.runtime.memcpyHostToDevice)
+            cupy.cuda.runtime.memcpy(out.data.ptr + offset_bytes, host.ctypes.data, host.nbytes,
+                                     cupy.cuda.runtime.memcpyHostToDevice)
             return out
         # the device array was allocated on the current stream: make the copies wait for that
         cupy.cuda.get_current_stream().synchronize()
-        region = mapped_file_region(host) if self.read_files else None
-        where = None if region is None else (self._descriptor(region[0]), region[1])
-        chunks = [(start, min(self.chunk_bytes, host.nbytes - start)) for start in range(0, host.nbytes, self.chunk_bytes)]
-        used = list(self._pool.map(lambda chunk: self._copy(source, destination, *chunk, where), chunks))
-        for staging in {id(s): s for s in used}.values():
-            staging.copied.synchronize()
+        self._copy_chunks(self._chunks(host, out, offset_bytes))
         return out
 
     def upload_all(self, copies: list[tuple[np.ndarray, cupy.ndarray, int]]) -> None:
         """Copy each ``(host, out, offset_bytes)`` like ``upload`` (the device arrays allocated and
         the device idle beforehand), every chunk of every tensor handed to the threads at once:
         no barrier per tensor, small tensors through the staging ring too. Returns once all landed."""
-        jobs = []
+        chunks = []
         for host, out, offset_bytes in copies:
             host = np.ascontiguousarray(host)
-            if not out.flags.c_contiguous or offset_bytes + host.nbytes > out.nbytes:
-                raise ValueError(f"cannot copy {host.nbytes} bytes at offset {offset_bytes} into a device array "
-                                 f"of {out.nbytes}{'' if out.flags.c_contiguous else ' (not contiguous)'}")
-            source = host.reshape(-1).view(np.uint8)
-            region = mapped_file_region(host) if self.read_files else None
-            where = None if region is None else (self._descriptor(region[0]), region[1])
-            destination = out.data.ptr + offset_bytes
-            jobs += [(source, destination, start, min(self.chunk_bytes, host.nbytes - start), where)
-                     for start in range(0, host.nbytes, self.chunk_bytes)]
-        used = list(self._pool.map(lambda job: self._copy(*job), jobs))
+            _check_destination(host, out, offset_bytes)
+            chunks += self._chunks(host, out, offset_bytes)
+        self._copy_chunks(chunks)
+
+    def upload_vector(self, host: np.ndarray) -> cupy.ndarray:
+        """A new device array holding ``host`` (a small weight the engine keeps: a norm's weight, a
+        head's parameters), allocated and copied on this uploader's own non-blocking stream, then
+        waited for. On the legacy default stream each such copy waited for the work in flight
+        (Qwen3.5's 113 fp32 vectors x ~30 ms = 3.3 s of the 4B shape's load, D1 2026-11-24). Not
+        deferred; arrays of SMALL_BYTES or more take ``upload``'s path. The array's memory belongs to
+        that stream's pool: for arrays kept for the engine's life, not temporaries."""
+        host = np.ascontiguousarray(host)
+        if host.nbytes >= SMALL_BYTES or cupy.cuda.get_current_stream().is_capturing():
+            return self.upload(host)
+        with self._vector_stream:
+            out = cupy.asarray(host)
+        self._vector_stream.synchronize()
+        return out
+
+    def _chunks(self, host: np.ndarray, out: cupy.ndarray, offset_bytes: int) -> list[tuple]:
+        """``_copy``'s arguments for each chunk of ``host`` (C-contiguous) into ``out`` at ``offset_bytes``."""
+        source = host.reshape(-1).view(np.uint8)
+        region = mapped_file_region(host) if self.read_files else None
+        where = None if region is None else (self._descriptor(region[0]), region[1])
+        destination = out.data.ptr + offset_bytes
+        return [(source, destination, start, min(self.chunk_bytes, host.nbytes - start), where)
+                for start in range(0, host.nbytes, self.chunk_bytes)]
+
+    def _copy_chunks(self, chunks: list[tuple]) -> None:
+        """Hand ``chunks`` (``_chunks``') to the threads; returns once every one landed."""
+        used = list(self._pool.map(lambda chunk: self._copy(*chunk), chunks))
         for staging in {id(s): s for s in used}.values():
             staging.copied.synchronize()
 
@@ -203,6 +221,12 @@ class WeightUploader:
             for descriptor in self._files.values():
                 os.close(descriptor)
             self._files.clear()
+
+
+def _check_destination(host: np.ndarray, out: cupy.ndarray, offset_bytes: int) -> None:
+    if not out.flags.c_contiguous or offset_bytes + host.nbytes > out.nbytes:
+        raise ValueError(f"cannot copy {host.nbytes} bytes at offset {offset_bytes} into a "
+                         f"{'non-contiguous ' if not out.flags.c_contiguous else ''}device array of {out.nbytes}")
 
 
 def _read_exactly(descriptor: int, into: np.ndarray, offset: int) -> None:
@@ -315,6 +339,13 @@ def uploader(device_id: int) -> WeightUploader:
         if device_id not in _uploaders:
             _uploaders[device_id] = WeightUploader(device_id)
         return _uploaders[device_id]
+
+
+def upload_vector(array: np.ndarray, dtype: np.dtype | type | None = None) -> cupy.ndarray:
+    """``array`` (converted to ``dtype`` when given) on the current device through its uploader's
+    ``upload_vector``: the path for the small weights a plugin keeps as they are (fp32 norm
+    weights, per-head parameters) instead of ``cupy.asarray`` on the legacy stream."""
+    return uploader(cupy.cuda.Device().id).upload_vector(np.ascontiguousarray(array, dtype=dtype))
 
 
 def release_staging() -> None:

@@ -30,6 +30,7 @@ import cupy
 import numpy as np
 
 from openinfer import OpenInferError
+from openinfer.backend.cuda.weight_upload import upload_vector
 from openinfer_deepseek_v4 import cuda_ops
 from openinfer_deepseek_v4.config import SLIDING
 from openinfer_deepseek_v4.cuda_experts import DeviceMoELayer, device_layer, moe_layer
@@ -43,7 +44,8 @@ def bf16_to_f32(x: cupy.ndarray) -> cupy.ndarray:
 
 
 def _f32(array: Any) -> cupy.ndarray:
-    return cupy.asarray(np.ascontiguousarray(array, np.float32))
+    """A weight kept in fp32 (copied off the legacy stream: core's ``upload_vector``)."""
+    return upload_vector(array, np.float32)
 
 
 @dataclass
@@ -116,6 +118,7 @@ class CudaForward:
                 device_layer(layer.ffn, ops)))
         self.hc_head = DeviceHyper.of(model.weights.hc_head)
         self.mixing = {"sinkhorn_iters": c.hc_sinkhorn_iters, "hc_eps": c.hc_eps, "norm_eps": c.rms_norm_eps}
+        cuda_ops.warm_up(c.head_dim)  # (plugin.build_model started the builds before the weights loaded)
 
     def __call__(self, batch: Any, kv_cache: list[Any]) -> cupy.ndarray:
         model, c, ops = self.model, self.model.config, self.model.backend

@@ -1,7 +1,8 @@
 """CuPy launchers for ``kernels/dsv4.cu`` (bf16 activations and caches, fp32 math).
 
-One cached loader compiles the source once; every launcher checks its inputs and raises
-``ValueError`` naming what was wrong. Each launcher mirrors a NumPy op (named in its docstring),
+The core loader builds each kernel as a module of its own (``start_builds`` begins the model's
+before the weights load, ``warm_up`` waits for them before any graph capture); every launcher
+checks its inputs and raises ``ValueError`` naming what was wrong. Each launcher mirrors a NumPy op (named in its docstring),
 and the ``gpu`` tests compare the two. Imported only on a CUDA machine.
 """
 
@@ -10,15 +11,16 @@ from __future__ import annotations
 import functools
 import os
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import cupy
 import numpy as np
 
-from openinfer.backend.cuda import kernel_include_options
+from openinfer.backend.cuda import loader
 from openinfer_deepseek_v4 import kernel_plan
 
-SOURCE = "dsv4.cu"
+KERNEL_FILE = Path(str(resources.files("openinfer_deepseek_v4") / "kernels" / "dsv4.cu"))
 THREADS = 128
 MIX_THREADS = 256  # dsv4_hc_mix: one (token, logit) dot product of hc·hidden per block
 COLLAPSE_THREADS = 256
@@ -48,14 +50,25 @@ def attention_splits(blocks: int, max_keys: int, setting: str | int | None = Non
                                         multiprocessors())
 
 
-@functools.cache
-def _module() -> cupy.RawModule:
-    code = (resources.files("openinfer_deepseek_v4") / "kernels" / SOURCE).read_text()
-    return cupy.RawModule(code=code, options=("-std=c++17", *kernel_include_options()))  # core's common.cuh
-
-
 def kernel(name: str) -> cupy.RawKernel:
-    return _module().get_function(name)
+    """Kernel ``name`` of dsv4.cu (core's common.cuh on its include path), built by the core loader."""
+    return loader.kernel(KERNEL_FILE, name)
+
+
+def _start_up_keys(head_dim: int) -> list[loader.KernelKey]:
+    return [loader.kernel_key(KERNEL_FILE, name) for name in kernel_plan.start_up_kernels(ATTENTION_KERNEL, head_dim)]
+
+
+def start_builds(head_dim: int) -> int:
+    """Begin building the kernels a model of ``head_dim`` runs in background threads now, before the
+    weights load (NVRTC releases the GIL); returns how many builds started."""
+    return loader.start_compiling(_start_up_keys(head_dim), cupy.cuda.Device().id)
+
+
+def warm_up(head_dim: int) -> None:
+    """Build those kernels (or wait for ``start_builds``' builds): before any CUDA graph capture,
+    which must not compile."""
+    loader.compile_kernels(_start_up_keys(head_dim), cupy.cuda.Device().id)
 
 
 def _check(x: Any, dtype: Any, ndim: int, what: str) -> cupy.ndarray:

@@ -134,6 +134,19 @@ def attention_kernel(setting: str, head_dim: int) -> str:
     return "dsv4_sparse_attention_d512" if setting == "auto" and head_dim == 512 else "dsv4_sparse_attention"
 
 
+# the kernels of kernels/dsv4.cu every CUDA forward launches (beside the sparse attention's); the others
+# (dsv4_compress_entries, dsv4_fp4_linear, dsv4_fp8_linear) are single-op references the tests launch
+FORWARD_KERNELS = ("dsv4_token_seq", "dsv4_hc_mix", "dsv4_hc_collapse", "dsv4_hc_expand", "dsv4_head_norm_rope",
+                   "dsv4_write_window", "dsv4_compress_step", "dsv4_compress_state", "dsv4_indexer_scores",
+                   "dsv4_topk", "dsv4_attention_combine")
+
+
+def start_up_kernels(attention_setting: str, head_dim: int) -> tuple[str, ...]:
+    """The kernels of dsv4.cu a model of ``head_dim`` runs under ``attention_setting``
+    (``attention_kernel_setting``): built at start-up, each its own module of the core loader."""
+    return (*FORWARD_KERNELS, attention_kernel(attention_setting, head_dim))
+
+
 def hc_split_setting(environ: Mapping[str, str]) -> str:
     """``OPENINFER_DSV4_HC_SPLIT``: ``auto`` (default: dot products cut into ``hc_mix_splits``
     slices, x over ⌈hidden / 256⌉ blocks; same math, the partial sums added in slice order) or

@@ -52,7 +52,10 @@ def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend
     held = rank.expert.experts(dsv4.n_routed_experts) if rank.expert.size > 1 else None
     stack_experts = dense_linear = None
     if backend.name == "cuda":  # routed experts stay in their stored format (FP4 / FP8), stacked per layer
+        from openinfer_deepseek_v4 import cuda_ops
         from openinfer_deepseek_v4.cuda_experts import stack_experts
+
+        cuda_ops.start_builds(dsv4.head_dim)  # NVRTC works in background threads while the weights load
 
         if fp8_linear_setting(os.environ) == "stream":  # FP8 dense linears too (opt-in)
             from openinfer_deepseek_v4.cuda_linears import stored_fp8_linear as dense_linear

@@ -88,7 +88,7 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       layer time at 8 x 1k (1.545 vs 0.833 ms: prepare 0.472,
                                       walk 0.704), 1.04x at 1 x 1k (0.367 vs 0.353), 0.61x at
                                       1 x 128 (0.198 vs 0.323): opt-in until the 8 x 1k cost
-                                      is within 1.3x; =chunked_split_f16 (opt-in):
+                                      is within 1.3x; =chunked_split_f16 (the default):
                                       gdn_chunk_prepare_split_f16 and gdn_chunk_walk_split_f16
                                       (the same chain on fp16 hi / lo operand parts, the lo
                                       part scaled by 2^11: 3 mmas for a product of two split
@@ -98,12 +98,10 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       0.0071 / 0.0306 (H200, D2 2026-11-24 session 12), layer
                                       1.46x grouped_staged's at 8 x 1k (1.192 vs 0.817 ms;
                                       chunked_split 1.78x), 1.05x at 1 x 1k, faster from 1 x
-                                      512 down, before its prepare's cp.async reads;
-                                      =chunked_split_f16_pipe: its walk requests the next
-                                      chunk's q / k / U while this one's P V' and update run;
-                                      =chunked_split_f16_x3: its walk at 3 blocks an SM with
-                                      W / P loaded where used (slower at every size, D2). The
-                                      three walks give the same bits
+                                      512 down, before its prepare's cp.async reads (its walk
+                                      with W / P loaded where used, 3 blocks an SM, and with the
+                                      next chunk's reads during this one's products measured
+                                      slower, sessions 12 D2 / D3: removed)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -128,6 +126,7 @@ import cupy
 import numpy as np
 
 from openinfer.backend.cuda import loader
+from openinfer.backend.cuda.weight_upload import upload_vector
 from openinfer_qwen35.config import Qwen35Config
 from openinfer_qwen35.gated_deltanet import CHUNK_SIZE, chunk_layout
 from openinfer_qwen35.kernel_plan import KernelPlan
@@ -149,9 +148,7 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec
                               "gdn_chunk_output", "gdn_chunk_output_norm", "gdn_chunk_output_staged"),
            "gdn_chunked_fp32.cu": ("gdn_chunk_prepare_fp32", "gdn_chunk_walk_fp32"),
            "gdn_chunked_split.cu": ("gdn_chunk_prepare_split", "gdn_chunk_walk_split", "gdn_chunk_prepare_split_f16",
-                                    "gdn_chunk_walk_split_f16", "gdn_chunk_walk_split_f16_x3",
-                                    "gdn_chunk_walk_split_f16_snapshot", "gdn_chunk_walk_split_f16_x3_snapshot",
-                                    "gdn_chunk_walk_split_f16_pipe", "gdn_chunk_walk_split_f16_pipe_snapshot"),
+                                    "gdn_chunk_walk_split_f16", "gdn_chunk_walk_split_f16_snapshot"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
                              "gdn_decode_step_vec4", "gdn_decode_step_bulk")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
@@ -229,13 +226,7 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    # chunked_split with fp16 hi / lo operand parts (lo scaled by 2^11) instead of bf16 hi / mid / lo
                    # and the solve's block products on tensor cores
                    "chunked_split_f16": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split_f16", False,
-                                                       "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16"),
-                   # chunked_split_f16 with W's and P's fragments loaded in the walk where used: 3 blocks an SM
-                   "chunked_split_f16_x3": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split_f16", False,
-                                                          "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16_x3"),
-                   # chunked_split_f16 with the next chunk's q / k / U requested during this chunk's P V' and update
-                   "chunked_split_f16_pipe": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split_f16", False,
-                                                            "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16_pipe")}
+                                                       "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16")}
 FP32_PREPARE_KERNEL = "gdn_chunk_prepare_fp32"  # gdn_chunked_fp32.cu: its own walk (gdn_chunk_walk_fp32)
 FP32_CHUNKED_MAX_KEY_HEAD_DIM = 128  # its walk's shared q / k / W tiles [64][DK + 1] fp32 (and S, P, U) fit 227 KiB
 FP32_WALK_TILE = 32  # value channels a gdn_chunk_walk_fp32 block
@@ -244,8 +235,7 @@ SPLIT_PREPARE_KERNEL = "gdn_chunk_prepare_split"  # gdn_chunked_split.cu: its ow
 SPLIT_PREPARE_KERNELS = (SPLIT_PREPARE_KERNEL, "gdn_chunk_prepare_split_f16")  # bf16 / fp16 operand parts
 SPLIT_WALK_TILE = 32  # value channels a gdn_chunk_walk_split block
 # the split chain's walks (PrefillKernels.states): bf16 hi / mid / lo operand parts, or fp16 hi / lo
-SPLIT_WALK_KERNELS = ("gdn_chunk_walk_split", "gdn_chunk_walk_split_f16", "gdn_chunk_walk_split_f16_x3",
-                      "gdn_chunk_walk_split_f16_pipe")
+SPLIT_WALK_KERNELS = ("gdn_chunk_walk_split", "gdn_chunk_walk_split_f16")
 SPLIT_THREADS = 128
 # the kernels of gdn_chunked.cu whose operands follow GDN_F16_OPERANDS (the others assume bf16 ones)
 F16_OPERAND_KERNELS = frozenset({"gdn_chunk_prepare_grouped_mma", "gdn_chunk_states", "gdn_chunk_states_registers",
@@ -465,10 +455,9 @@ def chunked_split_shared_bytes(dk: int, dv: int, walk: str = "gdn_chunk_walk_spl
     rows_then_solve = max(2 * 2 * chunk * row_h, 4 * 2 * chunk * row_c)  # q / k rows, then A and T in their place
     prepare = rows_then_solve + 2 * (dk * row_c + max(dv * row_c, chunk * (dv + 8))) + 4 * 4 * chunk + 8 * chunk
     fp16_parts = walk.startswith("gdn_chunk_walk_split_f16")  # two state planes; q and k as rows
-    k_buffers = 2 if walk.startswith("gdn_chunk_walk_split_f16_pipe") else 1
     walk_bytes = (4 * (SPLIT_WALK_TILE * row_c + chunk * (SPLIT_WALK_TILE + 8) + 3 * chunk)
                   + 2 * ((2 if fp16_parts else 3) * SPLIT_WALK_TILE * row_h + chunk * row_h
-                         + (k_buffers * chunk * row_h if fp16_parts else dk * row_c)))
+                         + (chunk * row_h if fp16_parts else dk * row_c)))
     return prepare, walk_bytes
 
 
@@ -658,36 +647,11 @@ def start_builds(config: Qwen35Config) -> int:
 def warm_up(config: Qwen35Config) -> None:
     """Compile the kernels this config runs (in parallel, or wait for ``start_builds``' builds) and
     allocate the decode counters — before any CUDA graph capture, which must neither compile nor
-    allocate outside its pool."""
-    kernels = start_up_kernels(config)
-    loader.compile_kernels([_kernel_key(*found) for found in kernels], cupy.cuda.Device().id)
-    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    if chunked_supported(config):  # the kernels taking more than 48 KiB of shared memory opt in once
-        for name in ("gdn_chunk_prepare", *STAGED_PREPARE_KERNELS):
-            kernel(name, dk, chunk_prepare_shared_bytes(dk, dv, name in STAGED_PREPARE_KERNELS))
-        kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
-        for suffix in ("", SNAPSHOT_WALK_SUFFIX):
-            kernel("gdn_chunk_states" + suffix, dk, chunk_states_shared_bytes(dk))
-            if dk <= REGISTER_STATES_MAX_KEY_HEAD_DIM:
-                kernel("gdn_chunk_states_registers" + suffix, dk, chunk_states_registers_shared_bytes(dk, dv))
-        kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
-        kernel("gdn_chunk_output_norm", dk, chunk_output_shared_bytes(dk))
-        chosen_prefill = prefill_kernels(config, 8)
-        prepare = chosen_prefill.prepare
-        if prepare == FP32_PREPARE_KERNEL and dk <= FP32_CHUNKED_MAX_KEY_HEAD_DIM:
-            prepare_bytes, walk_bytes = chunked_fp32_shared_bytes(dk, dv)
-            kernel(FP32_PREPARE_KERNEL, dk, prepare_bytes)
-            kernel("gdn_chunk_walk_fp32", dk, walk_bytes)
-        if prepare in SPLIT_PREPARE_KERNELS:
-            walk = chosen_prefill.states if chosen_prefill.states in SPLIT_WALK_KERNELS else SPLIT_WALK_KERNELS[0]
-            prepare_bytes, walk_bytes = chunked_split_shared_bytes(dk, dv, walk)
-            kernel(prepare, dk, prepare_bytes)
-            kernel(walk, dk, walk_bytes)
+    allocate outside its pool. A kernel taking more than 48 KiB of dynamic shared memory opts in
+    where ``kernel`` first makes its handle for a launch (a function attribute, no stream work:
+    allowed inside a capture)."""
+    loader.compile_kernels([_kernel_key(*found) for found in start_up_kernels(config)], cupy.cuda.Device().id)
     if fused_decode_supported(config):
-        chosen = decode_kernel(config)
-        for name in DECODE_KERNELS.values():
-            if name != DECODE_KERNELS["bulk"] or chosen == name:
-                _decode_function(name, config)
         arrival_counters(config)
 
 
@@ -1276,29 +1240,11 @@ def add_rms_norm(x: cupy.ndarray, residual: cupy.ndarray, weight: cupy.ndarray,
     return out, summed
 
 
-@functools.cache
-def _vector_stream(device_id: int) -> cupy.cuda.Stream:
-    with cupy.cuda.Device(device_id):
-        return cupy.cuda.Stream(non_blocking=True)
-
-
-def _fp32_device(array: np.ndarray) -> cupy.ndarray:
-    """A small fp32 vector (norm weights, the GDN decay parameters) on the device, copied on a
-    non-blocking stream of its own: on the legacy default stream each copy waited for every weight
-    copy in flight (113 vectors x ~30 ms = 3.3 s of the 4B shape's load, D1 2026-11-24)."""
-    host = np.ascontiguousarray(array, dtype=np.float32)
-    stream = _vector_stream(cupy.cuda.Device().id)
-    with stream:
-        device = cupy.asarray(host)
-    stream.synchronize()
-    return device
-
-
 CUDA_PLAN = KernelPlan(
     backend="cuda",
     sigmoid_mul=sigmoid_mul,
     delta_net=delta_net,
-    fp32_vector=_fp32_device,
+    fp32_vector=functools.partial(upload_vector, dtype=np.float32),  # kept fp32: copied off the legacy stream
     conv_state_dtype="bfloat16",
     step_sequences=device_sequences,
     prepare_split=prepare_split,
@@ -1307,5 +1253,5 @@ CUDA_PLAN = KernelPlan(
     warm_up=warm_up, start_builds=start_builds,
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,
-    norm_weight=_fp32_device,
+    norm_weight=functools.partial(upload_vector, dtype=np.float32),
 )

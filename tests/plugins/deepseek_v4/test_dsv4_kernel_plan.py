@@ -88,3 +88,32 @@ def test_attention_kernel_default_auto_specialises_head_dim_512():
     assert kernel_plan.attention_kernel("auto", 512) == "dsv4_sparse_attention_d512"
     assert kernel_plan.attention_kernel("auto", 128) == "dsv4_sparse_attention"
     assert kernel_plan.attention_kernel("generic", 512) == "dsv4_sparse_attention"
+
+
+def test_start_up_kernels_are_kernels_of_the_file_each_cut_out_alone(monkeypatch):
+    """Every start-up kernel is defined in kernels/dsv4.cu, and the core loader can cut each out of
+    the file as a module of its own (the one-kernel modules built from before the weight load);
+    the attention kernel follows the setting and head dim."""
+    import importlib
+    import sys
+    import types
+    from importlib import resources
+
+    device = types.SimpleNamespace(use=lambda: None)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda i: device)))
+    name = "openinfer.backend.cuda.loader"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    loader = importlib.import_module(name)
+    monkeypatch.delitem(sys.modules, name)  # other tests import it against their own CuPy
+    text = (resources.files("openinfer_deepseek_v4") / "kernels" / "dsv4.cu").read_text()
+    defined = {found for found, _, _ in loader.kernel_definitions(text)}
+    for setting, head_dim in (("auto", 512), ("auto", 128), ("generic", 512)):
+        wanted = kernel_plan.start_up_kernels(setting, head_dim)
+        assert set(wanted) <= defined and len(set(wanted)) == len(wanted)
+        assert kernel_plan.attention_kernel(setting, head_dim) in wanted
+    assert "dsv4_sparse_attention_d512" in kernel_plan.start_up_kernels("auto", 512)
+    assert "dsv4_sparse_attention" in kernel_plan.start_up_kernels("generic", 512)
+    for kernel in kernel_plan.FORWARD_KERNELS + ("dsv4_sparse_attention", "dsv4_sparse_attention_d512"):
+        alone = loader.kernel_subset(text, (kernel,))
+        assert alone is not None
+        assert {found for found, _, _ in loader.kernel_definitions(alone)} == {kernel}

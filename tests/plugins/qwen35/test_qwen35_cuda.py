@@ -100,8 +100,7 @@ def test_delta_net_matches_numpy_on_a_mixed_batch(backend, key_dim, value_dim, p
     np.testing.assert_array_equal(ssm[0], ssm_state[0])  # the null slot is never touched
 
 
-@pytest.mark.parametrize("prefill", ["chunked_fp32", "chunked_split", "chunked_split_f16", "chunked_split_f16_x3",
-                                     "chunked_split_f16_pipe"])
+@pytest.mark.parametrize("prefill", ["chunked_fp32", "chunked_split", "chunked_split_f16"])
 def test_fp32_chunked_prefill_matches_the_token_by_token_kernels(backend, monkeypatch, prefill):
     """Issue #17: OPENINFER_QWEN35_GDN_PREFILL=chunked_fp32 (gdn_chunked_fp32.cu) and =chunked_split
     (gdn_chunked_split.cu: tensor cores, split operands; =chunked_split_f16 its walk on fp16 parts) against the

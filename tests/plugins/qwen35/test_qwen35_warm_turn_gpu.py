@@ -119,8 +119,7 @@ def _split_run(layer, proj, seqs):
     return core if split.inverse is None else core[split.inverse]
 
 
-@pytest.mark.parametrize("prefill", ["grouped_staged", "grouped_f16", "chunked_split_f16", "chunked_split_f16_x3",
-                                     "chunked_split_f16_pipe"])
+@pytest.mark.parametrize("prefill", ["grouped_staged", "grouped_f16", "chunked_split_f16"])
 def test_the_walk_writes_the_state_a_run_stopping_at_the_boundary_leaves(monkeypatch, prefill):
     """One ``delta_net`` run with in-step snapshots (``seqs.snapshots``: the chunk layout cut at each
     boundary, the state walk storing the fp32 state entering the chunk there, ``gdn_conv_snapshot``

@@ -948,8 +948,6 @@ __device__ __forceinline__ void store_state_planes_f16(const float (*acc)[4], un
 // global reads go out at once (q / k rows and U by cp.async, c and the norms by the first 64 threads): one round
 // trip (its staging was ~half the walk's time with three; H200, D1 2026-11-24); q / k become fp16 operands as
 // their fragments load (the update's k^T fragments by ldmatrix.trans from the rows).
-// LATE_LOADS (gdn_chunk_walk_split_f16_x3): W's and P's fragments loaded where they are used, not ahead of the
-// chunk's shared tiles (64 + 32 registers fewer): 3 blocks an SM (168 registers) instead of 2.
 #define SPLIT_WALK_PARAMS                                                                                           \
     const bf16 *__restrict__ conv_out, const float *__restrict__ norms, const float *__restrict__ w_in,           \
         const float *__restrict__ u_in, const float *__restrict__ p_in, const float *__restrict__ cum_in,          \
@@ -961,10 +959,7 @@ __device__ __forceinline__ void store_state_planes_f16(const float (*acc)[4], un
         num_key_heads, num_value_heads, dv
 // SNAPSHOT (the _snapshot entries, for an in-step prefix snapshot): S entering layout chunk snapshot_chunk[s]
 // (-1: none; the sequence's end: its final state) also stored into slot snapshot_slot[s] (fp32, the slot layout).
-// PIPELINED (gdn_chunk_walk_split_f16_pipe; not with LATE_LOADS): the next chunk's q / k rows, U, c and norms
-// requested while this chunk's P V' and update run (k into a second buffer: 88 KB, 2 blocks an SM), so a chunk
-// starts with its operands in shared memory.
-template <bool LATE_LOADS, bool SNAPSHOT, bool PIPELINED = false>
+template <bool SNAPSHOT>
 __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_WALK_PARAMS,
                                                      const int* __restrict__ snapshot_chunk,
                                                      const int* __restrict__ snapshot_slot) {
@@ -980,18 +975,17 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
     float* cum = tail_scale + SPLIT_CHUNK;                 // [64]
     unsigned short* planes = reinterpret_cast<unsigned short*>(cum + SPLIT_CHUNK);  // 2 x [32][SPLIT_LDH]
     bf16* qraw = reinterpret_cast<bf16*>(planes + 2 * PLANE);  // [64][SPLIT_LDH] raw q rows
-    bf16* kraws = qraw + SPLIT_CHUNK * SPLIT_LDH;          // (PIPELINED: 2 x) [64][SPLIT_LDH] raw k rows
-    static_assert(!(LATE_LOADS && PIPELINED), "the pipelined walk prefetches W / P");
-    // chunk c's q / k rows (k into k_rows) and U (rows past its end: zeros) by cp.async, and (threads < 64) its c
-    // and norms into registers: every global read of a chunk but W's and P's, issued at once
-    auto request_chunk = [&](int c, bf16* k_rows, float& cum_value, float& q_norm, float& k_norm) {
+    bf16* kraw = qraw + SPLIT_CHUNK * SPLIT_LDH;           // [64][SPLIT_LDH] raw k rows
+    // chunk c's q / k rows and U (rows past its end: zeros) by cp.async, and (threads < 64) its c and norms into
+    // registers: every global read of a chunk but W's and P's, issued at once
+    auto request_chunk = [&](int c, float& cum_value, float& q_norm, float& k_norm) {
         const int t0 = chunk_start[c], n = chunk_len[c];
         const bf16* qk_rows = conv_out + (size_t)t0 * conv_dim + key_head * DK;
         for (int e = threadIdx.x; e < SPLIT_CHUNK * (DK / 8); e += SPLIT_THREADS) {
             const int r = e / (DK / 8), i = 8 * (e % (DK / 8));
             const bf16* row = qk_rows + (size_t)(r < n ? r : 0) * conv_dim + i;
             copy16_async(qraw + r * SPLIT_LDH + i, row, r < n);
-            copy16_async(k_rows + r * SPLIT_LDH + i, row + key_dim, r < n);
+            copy16_async(kraw + r * SPLIT_LDH + i, row + key_dim, r < n);
         }
         for (int e = threadIdx.x; e < SPLIT_CHUNK * (SPLIT_TILE / 4); e += SPLIT_THREADS) {
             const int r = e / (SPLIT_TILE / 4), j = 4 * (e % (SPLIT_TILE / 4));
@@ -1009,7 +1003,6 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
             }
         }
     };
-    float next_cum = 0.f, next_q_norm = 0.f, next_k_norm = 0.f;  // (PIPELINED) the next chunk's
 
     SPLIT_PHASES_BEGIN();
     float* state = ssm_state + ((size_t)slots[s] * num_value_heads + h) * DK * dv;
@@ -1030,26 +1023,21 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
             for (int e = 0; e < 4; ++e) to[(size_t)state_col(nt, e) * dv + j0 + state_row(e)] = sacc[nt][e];
     };
     auto store_snapshot = [&]() { store_state(ssm_state + ((size_t)snapshot_slot[s] * num_value_heads + h) * DK * dv); };
-    if (PIPELINED && seq_chunks[s] < seq_chunks[s + 1])
-        request_chunk(seq_chunks[s], kraws, next_cum, next_q_norm, next_k_norm);
     for (int c = seq_chunks[s]; c < seq_chunks[s + 1]; ++c) {
         if (SNAPSHOT && c == snapshot_at) store_snapshot();
         const int t0 = chunk_start[c], n = chunk_len[c];
-        bf16* kraw = kraws + (PIPELINED ? ((c - seq_chunks[s]) & 1) * SPLIT_CHUNK * SPLIT_LDH : 0);
         const float* p = p_in + ((size_t)c * num_value_heads + h) * SPLIT_CHUNK * SPLIT_CHUNK;
         const size_t w_stride = (size_t)num_value_heads * DK;
         const float* w_rows = w_in + ((size_t)t0 * num_value_heads + h) * DK;
-        float2 wf[LATE_LOADS ? 1 : DK / 16][4], pf[LATE_LOADS ? 1 : SPLIT_CHUNK / 16][4];
-        if constexpr (!LATE_LOADS) {
+        float2 wf[DK / 16][4], pf[SPLIT_CHUNK / 16][4];
 #pragma unroll
-            for (int kt16 = 0; kt16 < DK / 16; ++kt16) load_a_rows_f32(wf[kt16], w_rows, w_stride, row0, n, 16 * kt16);
+        for (int kt16 = 0; kt16 < DK / 16; ++kt16) load_a_rows_f32(wf[kt16], w_rows, w_stride, row0, n, 16 * kt16);
 #pragma unroll
-            for (int kt16 = 0; kt16 < SPLIT_CHUNK / 16; ++kt16)
-                if (16 * kt16 <= row0) load_a_f32(pf[kt16], p + row0 * SPLIT_CHUNK + 16 * kt16, SPLIT_CHUNK, nullptr);
-        }
+        for (int kt16 = 0; kt16 < SPLIT_CHUNK / 16; ++kt16)
+            if (16 * kt16 <= row0) load_a_f32(pf[kt16], p + row0 * SPLIT_CHUNK + 16 * kt16, SPLIT_CHUNK, nullptr);
         __syncthreads();  // the last chunk's readers are done, its state planes written
-        float cum_value = next_cum, q_norm = next_q_norm, k_norm = next_k_norm;  // row threadIdx.x's
-        if constexpr (!PIPELINED) request_chunk(c, kraw, cum_value, q_norm, k_norm);
+        float cum_value = 0.f, q_norm, k_norm;  // row threadIdx.x's
+        request_chunk(c, cum_value, q_norm, k_norm);
         if (threadIdx.x < SPLIT_CHUNK) cum[threadIdx.x] = cum_value;
         copies16_wait();
         __syncthreads();
@@ -1066,9 +1054,7 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
             float acc[4][4] = {}, acc_lo[4][4] = {}, inter_lo[4][4] = {};
 #pragma unroll
             for (int k0 = 0; k0 < DK; k0 += 16) {
-                float2 late[4];  // (LATE_LOADS)
-                if constexpr (LATE_LOADS) load_a_rows_f32(late, w_rows, w_stride, row0, n, k0);
-                const float2* f = LATE_LOADS ? late : wf[LATE_LOADS ? 0 : k0 / 16];  // split by the prepare: (hi, lo)
+                const float2* f = wf[k0 / 16];  // split by the prepare: (hi, lo)
                 unsigned whi[4], wlo[4], a[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) whi[e] = __float_as_uint(f[e].x), wlo[e] = __float_as_uint(f[e].y);
@@ -1100,10 +1086,6 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
                 }
         }
         __syncthreads();
-        // (PIPELINED) q and U are read: the next chunk's requested (its k into the other buffer)
-        if (PIPELINED && c + 1 < seq_chunks[s + 1])
-            request_chunk(c + 1, kraws + ((c + 1 - seq_chunks[s]) & 1) * SPLIT_CHUNK * SPLIT_LDH, next_cum, next_q_norm,
-                          next_k_norm);
         SPLIT_PHASE(3);  // V' = U - W S and Q S (tensor cores)
         // O = diag(rq exp(c)) Q S + P V' (P, V' hi / lo: 3 mmas), rows 16w ..
         {
@@ -1112,9 +1094,7 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
             for (int k0 = 0; k0 < SPLIT_CHUNK; k0 += 16) {
                 if (k0 > row0) break;
                 unsigned ahi[4], alo[4];
-                float2 late[4];  // (LATE_LOADS)
-                if constexpr (LATE_LOADS) load_a_f32(late, p + row0 * SPLIT_CHUNK + k0, SPLIT_CHUNK, nullptr);
-                const float2* f = LATE_LOADS ? late : pf[LATE_LOADS ? 0 : k0 / 16];
+                const float2* f = pf[k0 / 16];
 #pragma unroll
                 for (int e = 0; e < 4; ++e)  // split by the prepare
                     ahi[e] = __float_as_uint(f[e].x), alo[e] = __float_as_uint(f[e].y);
@@ -1186,36 +1166,12 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
 
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) gdn_chunk_walk_split_f16(SPLIT_WALK_PARAMS) {
     GDN_DYNAMIC_SHARED(smem);
-    chunk_walk_split_f16<false, false>(smem, SPLIT_WALK_ARGS, nullptr, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(SPLIT_THREADS, 3) gdn_chunk_walk_split_f16_x3(SPLIT_WALK_PARAMS) {
-    GDN_DYNAMIC_SHARED(smem);
-    chunk_walk_split_f16<true, false>(smem, SPLIT_WALK_ARGS, nullptr, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) gdn_chunk_walk_split_f16_pipe(SPLIT_WALK_PARAMS) {
-    GDN_DYNAMIC_SHARED(smem);
-    chunk_walk_split_f16<false, false, true>(smem, SPLIT_WALK_ARGS, nullptr, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
-gdn_chunk_walk_split_f16_pipe_snapshot(SPLIT_WALK_PARAMS, const int* __restrict__ snapshot_chunk,
-                                       const int* __restrict__ snapshot_slot) {
-    GDN_DYNAMIC_SHARED(smem);
-    chunk_walk_split_f16<false, true, true>(smem, SPLIT_WALK_ARGS, snapshot_chunk, snapshot_slot);
+    chunk_walk_split_f16<false>(smem, SPLIT_WALK_ARGS, nullptr, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
 gdn_chunk_walk_split_f16_snapshot(SPLIT_WALK_PARAMS, const int* __restrict__ snapshot_chunk,
                                   const int* __restrict__ snapshot_slot) {
     GDN_DYNAMIC_SHARED(smem);
-    chunk_walk_split_f16<false, true>(smem, SPLIT_WALK_ARGS, snapshot_chunk, snapshot_slot);
-}
-
-extern "C" __global__ void __launch_bounds__(SPLIT_THREADS, 3)
-gdn_chunk_walk_split_f16_x3_snapshot(SPLIT_WALK_PARAMS, const int* __restrict__ snapshot_chunk,
-                                     const int* __restrict__ snapshot_slot) {
-    GDN_DYNAMIC_SHARED(smem);
-    chunk_walk_split_f16<true, true>(smem, SPLIT_WALK_ARGS, snapshot_chunk, snapshot_slot);
+    chunk_walk_split_f16<true>(smem, SPLIT_WALK_ARGS, snapshot_chunk, snapshot_slot);
 }

@@ -3,16 +3,7 @@
 // gdn_chunk_walk_split, and with fp16 parts: gdn_chunk_prepare_split_f16 -> gdn_chunk_walk_split_f16) on the
 // CPU (tests/helpers/cuda_host) and, on the same conv_out, the token-by-token kernel gdn_delta_rule (fp32: the accuracy reference), for
 // test_qwen35_cuda_emulated.py; writes their cores (bf16) and final states.
-#define MMA_HOST_STANDIN  // core's mma.cuh: no PTX; harness.h defines mma_bf16_16816
-#define GDN_DYNAMIC_SHARED(name) alignas(16) static unsigned char name[1 << 18]
-#include <cuda_bf16.h>
-#include <cstring>
-inline float2 make_float2(float x, float y) { return {x, y}; }
-struct alignas(16) float4 {  // CUDA's vector type (gdn_chunk_walk_split's 16-byte U loads)
-    float x, y, z, w;
-};
-inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
-void __syncwarp(unsigned mask = 0xffffffffu);  // the calling thread's warp meets (defined after harness.h)
+#include "kernel_standins.h"
 
 #include "gated_deltanet.cu"
 #include "gdn_chunked_fp32.cu"
@@ -21,28 +12,19 @@ void __syncwarp(unsigned mask = 0xffffffffu);  // the calling thread's warp meet
 #include "harness.h"
 #include "chunked_prefill_inputs.h"
 
-void __syncwarp(unsigned) { warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
-
 int main(int argc, char** argv) {
-    if (argc != 6) { std::fprintf(stderr, "usage: harness DIR nk nv dv width\n"); return 1; }
-    const std::string dir = argv[1];
-    const int nk = std::atoi(argv[2]), nv = std::atoi(argv[3]), dv = std::atoi(argv[4]), width = std::atoi(argv[5]);
-    ChunkedPrefillInputs in(dir, nk, nv, dv, width);
-    const int key_dim = in.key_dim, value_dim = in.value_dim, conv_dim = in.conv_dim, proj_stride = in.proj_stride;
-    auto &weight = in.conv_weight, &proj = in.proj, &conv_state = in.conv_state;
-    auto &rate = in.neg_decay_rate, &bias = in.dt_bias;
-    auto &query_start = in.query_start, &slots = in.slots, &fresh = in.fresh, &token_seq = in.token_seq;
-    auto &chunk_start = in.chunk_start, &chunk_len = in.chunk_len, &seq_chunks = in.seq_chunks;
+    ChunkedPrefillInputs in(argc, argv, /*with_eps=*/false);
+    const std::string& dir = in.dir;
+    const int nk = in.nk, nv = in.nv, dv = in.dv, value_dim = in.value_dim, proj_stride = in.proj_stride;
     const int num_tokens = in.num_tokens, num_seqs = in.num_seqs, num_chunks = in.num_chunks;
-    std::vector<bf16> conv_out(static_cast<size_t>(num_tokens) * conv_dim);
-    launch(1, 1, 1, 1, [&] {
-        gdn_conv1d(proj.data(), proj_stride, weight.data(), conv_state.data(), query_start.data(), slots.data(),
-                   fresh.data(), token_seq.data(), conv_out.data(), num_tokens, conv_dim, width);
-    });
-    std::vector<float> qn(static_cast<size_t>(num_tokens) * key_dim), kn(qn.size());
-    std::vector<float> w(static_cast<size_t>(num_tokens) * nv * DK), u(static_cast<size_t>(num_tokens) * value_dim);
-    std::vector<float> p(static_cast<size_t>(num_chunks) * nv * FP32_CHUNK * FP32_CHUNK);
-    std::vector<float> cum(static_cast<size_t>(num_tokens) * nv);
+    auto& proj = in.proj;
+    auto &rate = in.neg_decay_rate, &bias = in.dt_bias;
+    auto &query_start = in.query_start, &slots = in.slots, &fresh = in.fresh;
+    auto &chunk_start = in.chunk_start, &chunk_len = in.chunk_len, &seq_chunks = in.seq_chunks;
+    const std::vector<bf16> conv_out = in.conv1d();
+    ChunkOperands<float, FP32_CHUNK> prepared(in);  // (the split chains reuse its W, U, P and c)
+    auto &qn = prepared.qn, &kn = prepared.kn, &w = prepared.w, &u = prepared.u, &p = prepared.p;
+    auto& cum = prepared.cum;
     launch(num_chunks, nv, 1, FP32_THREADS, [&] {
         gdn_chunk_prepare_fp32(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(), chunk_start.data(),
                                chunk_len.data(), qn.data(), kn.data(), w.data(), u.data(), p.data(), cum.data(), nk,
@@ -85,24 +67,6 @@ int main(int argc, char** argv) {
     });
     save(dir, "split_f16_core.bin", split_f16_core);
     save(dir, "split_f16_ssm_state.bin", split_f16_ssm);
-    auto split_f16_x3_ssm = load<float>(dir, "ssm_state.bin");
-    std::vector<bf16> split_f16_x3_core(core.size());
-    launch(dv / SPLIT_TILE, num_seqs, nv, SPLIT_THREADS, [&] {
-        gdn_chunk_walk_split_f16_x3(conv_out.data(), norms.data(), w.data(), u.data(), p.data(), cum.data(),
-                                    chunk_start.data(), chunk_len.data(), seq_chunks.data(), slots.data(),
-                                    fresh.data(), split_f16_x3_ssm.data(), split_f16_x3_core.data(), nk, nv, dv);
-    });
-    save(dir, "split_f16_x3_core.bin", split_f16_x3_core);
-    save(dir, "split_f16_x3_ssm_state.bin", split_f16_x3_ssm);
-    auto split_f16_pipe_ssm = load<float>(dir, "ssm_state.bin");
-    std::vector<bf16> split_f16_pipe_core(core.size());
-    launch(dv / SPLIT_TILE, num_seqs, nv, SPLIT_THREADS, [&] {
-        gdn_chunk_walk_split_f16_pipe(conv_out.data(), norms.data(), w.data(), u.data(), p.data(), cum.data(),
-                                      chunk_start.data(), chunk_len.data(), seq_chunks.data(), slots.data(),
-                                      fresh.data(), split_f16_pipe_ssm.data(), split_f16_pipe_core.data(), nk, nv, dv);
-    });
-    save(dir, "split_f16_pipe_core.bin", split_f16_pipe_core);
-    save(dir, "split_f16_pipe_ssm_state.bin", split_f16_pipe_ssm);
     // the snapshot entry: S entering sequence 0's third chunk also into slot 1 (else untouched); then sequence 0's
     // first two chunks walked alone into slot 1 of another copy: the same state
     auto snapshot_ssm = load<float>(dir, "ssm_state.bin");

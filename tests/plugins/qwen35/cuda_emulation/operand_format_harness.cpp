@@ -4,12 +4,7 @@
 // (OPENINFER_QWEN35_GDN_PREFILL=grouped_f16) fp16, on arrays written by test_qwen35_cuda_emulated.py,
 // and writes the outputs of both state walks back, and those of the token-by-token kernel (gdn_delta_rule,
 // fp32: the baseline) on the same conv_out.
-#define MMA_HOST_STANDIN  // core's mma.cuh: no PTX; harness.h defines mma_bf16_16816
-#define GDN_DYNAMIC_SHARED(name) alignas(16) static unsigned char name[1 << 18]
-#include <cuda_bf16.h>
-#include <cstring>
-inline float2 make_float2(float x, float y) { return {x, y}; }
-void __syncwarp(unsigned mask = 0xffffffffu);  // the calling thread's warp meets (defined after harness.h)
+#include "kernel_standins.h"
 
 #include "gated_deltanet.cu"
 #include "gdn_chunked.cu"
@@ -17,30 +12,22 @@ void __syncwarp(unsigned mask = 0xffffffffu);  // the calling thread's warp meet
 #include "harness.h"
 #include "chunked_prefill_inputs.h"
 
-void __syncwarp(unsigned) { warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
-
 int main(int argc, char** argv) {
-    if (argc != 7) { std::fprintf(stderr, "usage: harness DIR nk nv dv width eps\n"); return 1; }
-    const std::string dir = argv[1];
-    const int nk = std::atoi(argv[2]), nv = std::atoi(argv[3]), dv = std::atoi(argv[4]), width = std::atoi(argv[5]);
-    const float eps = static_cast<float>(std::atof(argv[6]));
-    ChunkedPrefillInputs in(dir, nk, nv, dv, width);
-    const int key_dim = in.key_dim, value_dim = in.value_dim, conv_dim = in.conv_dim, proj_stride = in.proj_stride;
-    auto &weight = in.conv_weight, &proj = in.proj, &conv_state = in.conv_state;
+    ChunkedPrefillInputs in(argc, argv, /*with_eps=*/true);
+    const std::string& dir = in.dir;
+    const int nk = in.nk, nv = in.nv, dv = in.dv, value_dim = in.value_dim, conv_dim = in.conv_dim;
+    const int proj_stride = in.proj_stride, num_tokens = in.num_tokens, num_seqs = in.num_seqs;
+    const int num_chunks = in.num_chunks;
+    const float eps = in.eps;
+    auto& proj = in.proj;
     auto &rate = in.neg_decay_rate, &bias = in.dt_bias;
-    auto &query_start = in.query_start, &slots = in.slots, &fresh = in.fresh, &token_seq = in.token_seq;
+    auto &query_start = in.query_start, &slots = in.slots, &fresh = in.fresh;
     auto &chunk_start = in.chunk_start, &chunk_len = in.chunk_len, &seq_chunks = in.seq_chunks;
-    const int num_tokens = in.num_tokens, num_seqs = in.num_seqs, num_chunks = in.num_chunks;
     auto norm = load<bf16>(dir, "norm.bin");
-    std::vector<bf16> conv_out(static_cast<size_t>(num_tokens) * conv_dim);
-    std::vector<bf16> qn(static_cast<size_t>(num_tokens) * key_dim), kn(qn.size());
-    std::vector<bf16> w(static_cast<size_t>(num_tokens) * nv * DK), u(static_cast<size_t>(num_tokens) * value_dim);
-    std::vector<bf16> p(static_cast<size_t>(num_chunks) * nv * CHUNK * CHUNK);
-    std::vector<float> cum(static_cast<size_t>(num_tokens) * nv);
-    launch(1, 1, 1, 1, [&] {
-        gdn_conv1d(proj.data(), proj_stride, weight.data(), conv_state.data(), query_start.data(), slots.data(),
-                   fresh.data(), token_seq.data(), conv_out.data(), num_tokens, conv_dim, width);
-    });
+    const std::vector<bf16> conv_out = in.conv1d();
+    ChunkOperands<bf16, CHUNK> prepared(in);
+    auto &qn = prepared.qn, &kn = prepared.kn, &w = prepared.w, &u = prepared.u, &p = prepared.p;
+    auto& cum = prepared.cum;
     launch(num_chunks, nk, 1, 128, [&] {
         gdn_chunk_prepare_grouped_mma(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(),
                                       chunk_start.data(), chunk_len.data(), qn.data(), kn.data(), w.data(), u.data(),

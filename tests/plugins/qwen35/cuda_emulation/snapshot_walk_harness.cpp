@@ -8,12 +8,7 @@
 // snapshot_slot (per sequence), snapshots ([S][3] sequence, rows before the boundary, slot), head_chunk_start,
 // head_chunk_len, head_seq_chunks, head_slots, head_fresh (the stopping run's layout over the snapshotted
 // sequences).
-#define MMA_HOST_STANDIN  // core's mma.cuh: no PTX; harness.h defines mma_bf16_16816
-#define GDN_DYNAMIC_SHARED(name) alignas(16) static unsigned char name[1 << 18]
-#include <cuda_bf16.h>
-#include <cstring>
-inline float2 make_float2(float x, float y) { return {x, y}; }
-void __syncwarp(unsigned mask = 0xffffffffu);  // the calling thread's warp meets (defined after harness.h)
+#include "kernel_standins.h"
 
 #include "gated_deltanet.cu"
 #include "gdn_chunked.cu"
@@ -21,30 +16,21 @@ void __syncwarp(unsigned mask = 0xffffffffu);  // the calling thread's warp meet
 #include "harness.h"
 #include "chunked_prefill_inputs.h"
 
-void __syncwarp(unsigned) { warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
-
 int main(int argc, char** argv) {
-    if (argc != 6) { std::fprintf(stderr, "usage: harness DIR nk nv dv width\n"); return 1; }
-    const std::string dir = argv[1];
-    const int nk = std::atoi(argv[2]), nv = std::atoi(argv[3]), dv = std::atoi(argv[4]), width = std::atoi(argv[5]);
-    ChunkedPrefillInputs in(dir, nk, nv, dv, width);
-    const int key_dim = in.key_dim, value_dim = in.value_dim, conv_dim = in.conv_dim, proj_stride = in.proj_stride;
-    const int num_tokens = in.num_tokens, num_seqs = in.num_seqs, num_chunks = in.num_chunks;
+    ChunkedPrefillInputs in(argc, argv, /*with_eps=*/false);
+    const std::string& dir = in.dir;
+    const int nk = in.nk, nv = in.nv, dv = in.dv, width = in.width, conv_dim = in.conv_dim;
+    const int proj_stride = in.proj_stride, num_seqs = in.num_seqs, num_chunks = in.num_chunks;
     auto snapshot_chunk = load<int>(dir, "snapshot_chunk.bin"), snapshot_slot = load<int>(dir, "snapshot_slot.bin");
     auto snapshots = load<int>(dir, "snapshots.bin");
     auto head_start = load<int>(dir, "head_chunk_start.bin"), head_len = load<int>(dir, "head_chunk_len.bin");
     auto head_seq_chunks = load<int>(dir, "head_seq_chunks.bin"), head_slots = load<int>(dir, "head_slots.bin");
     auto head_fresh = load<int>(dir, "head_fresh.bin");
     const int num_snapshots = static_cast<int>(snapshots.size() / 3), num_heads = static_cast<int>(head_slots.size());
-    std::vector<bf16> conv_out(static_cast<size_t>(num_tokens) * conv_dim);
-    std::vector<bf16> qn(static_cast<size_t>(num_tokens) * key_dim), kn(qn.size());
-    std::vector<bf16> w(static_cast<size_t>(num_tokens) * nv * DK), u(static_cast<size_t>(num_tokens) * value_dim);
-    std::vector<bf16> p(static_cast<size_t>(num_chunks) * nv * CHUNK * CHUNK);
-    std::vector<float> cum(static_cast<size_t>(num_tokens) * nv);
-    launch(1, 1, 1, 1, [&] {
-        gdn_conv1d(in.proj.data(), proj_stride, in.conv_weight.data(), in.conv_state.data(), in.query_start.data(),
-                   in.slots.data(), in.fresh.data(), in.token_seq.data(), conv_out.data(), num_tokens, conv_dim, width);
-    });
+    const std::vector<bf16> conv_out = in.conv1d();
+    ChunkOperands<bf16, CHUNK> prepared(in);
+    auto &qn = prepared.qn, &kn = prepared.kn, &w = prepared.w, &u = prepared.u, &p = prepared.p;
+    auto& cum = prepared.cum;
     launch(num_chunks, nk, 1, 128, [&] {
         gdn_chunk_prepare_grouped_mma(conv_out.data(), in.proj.data(), proj_stride, in.neg_decay_rate.data(),
                                       in.dt_bias.data(), in.chunk_start.data(), in.chunk_len.data(), qn.data(),
