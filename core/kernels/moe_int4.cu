@@ -66,12 +66,6 @@
 #ifndef GROUPS_LINEAR_WALK
 #define GROUPS_LINEAR_WALK 0  // 1 (unrotated): the chunk walk without its wrap test (sm_90 SASS of groups_xs's steady
 #endif                        // loop: 97 -> 90 instructions per KB)
-#ifndef GROUPS_XSMEM_AT_USE
-#define GROUPS_XSMEM_AT_USE 0  // 1 (with GROUPS_XSMEM): each chunk's staged activations read just before its mma
-#endif                         // (shared memory is near: one buffer of them live instead of two; fewer registers)
-#if GROUPS_XSMEM_AT_USE && !GROUPS_XSMEM
-#error "GROUPS_XSMEM_AT_USE reads staged activations: GROUPS_XSMEM"
-#endif
 #define GROUPS_PASS_ROWS (GROUPS_XSMEM == 1 ? 1 : 2 * GROUPS_PAIRS)  // token rows a pass over the weights
 #define GROUPS_XSMEM_RECORD 80  // bytes a (chunk, group, token) record: 16 B registers (64), the sum's 2 (8), pad
 #if GROUPS_XSMEM && (GROUPS_PAIRS != 1 || GROUPS_STAGES || GROUPS_PROBE)
@@ -578,23 +572,15 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             groups_stage_pass(groups_xs, a, sorted_slots, top_k, pass, rows, chunks, K, token_of_lane, t, x_at, x_stride);
 #endif
             uint4 xv[2][GROUPS_PAIRS][GROUPS_X_WORDS];
-#if GROUPS_XSMEM_AT_USE  // the staged activations read where they are multiplied (one buffer live, not two)
-            int x_chunk = start;
-#else
             groups_x_load(xv[0], x_at, x_stride, start);
             int x_chunk = next_chunk(start);  // the chunk whose activations load next
-#endif
             int c0 = 0;
             for (; c0 + 2 * GROUPS_DEPTH - 1 <= count; c0 += GROUPS_DEPTH) {  // every load of the turn in range
     #pragma unroll
                 for (int d = 0; d < GROUPS_DEPTH; ++d) {
                     ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(rows_of_warp, load_chunk);  // the slot used last
                     load_chunk = next_chunk(load_chunk);
-#if GROUPS_XSMEM_AT_USE
-                    groups_x_load(xv[d % 2], x_at, x_stride, x_chunk);
-#else
                     groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
-#endif
                     x_chunk = next_chunk(x_chunk);
                     groups_chunk(acc, ring[d], xv[d % 2], neg136, magic);
                 }
@@ -608,15 +594,10 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                         load_chunk = next_chunk(load_chunk);
                     }
                     if (c < count) {
-#if GROUPS_XSMEM_AT_USE
-                        groups_x_load(xv[d % 2], x_at, x_stride, x_chunk);
-                        x_chunk = next_chunk(x_chunk);
-#else
                         if (c + 1 < count) {
                             groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
                             x_chunk = next_chunk(x_chunk);
                         }
-#endif
                         groups_chunk(acc, ring[d], xv[d % 2], neg136, magic);
                     }
                 }

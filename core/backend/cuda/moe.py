@@ -279,15 +279,10 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "groups_xs": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0},
     "groups_xs_d2": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_DEPTH": 2},
     "groups_xs1": {"GROUPS_XSMEM": 1, "GROUPS_ROTATE": 0},
-    # ... each chunk's staged activations read at its mma (GROUPS_XSMEM_AT_USE: one buffer live), so at most 93 / 80
-    # registers: 5 / 6 blocks an SM (a batch-1 down projection's 896 blocks in 1.4 / 1.1 waves instead of 1.7)
-    "groups_xs_u5": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_XSMEM_AT_USE": 1, "GROUPS_MIN_BLOCKS": 5},
-    "groups_xs_d2_u6": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_XSMEM_AT_USE": 1, "GROUPS_DEPTH": 2,
-                        "GROUPS_MIN_BLOCKS": 6},
+    # (Read at their mma, GROUPS_XSMEM_AT_USE: 93 / 80 registers, 5 / 6 blocks an SM; slower in s13 D3: gate_up / down
+    # 38.9 / 24.9 and, ring of 2, 42.4 / 27.0 us vs 37.8 / 24.0; deleted.)
     # ... walking the chunks without the rotation's wrap test (GROUPS_LINEAR_WALK: 97 -> 90 instructions per KB)
     "groups_xs_lw": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_LINEAR_WALK": 1},
-    "groups_xs_u5_lw": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_XSMEM_AT_USE": 1, "GROUPS_MIN_BLOCKS": 5,
-                        "GROUPS_LINEAR_WALK": 1},
     # measuring only, wrong results (moe_int4.cu GROUPS_PROBE): groups_norot's memory stream without the arithmetic,
     # its arithmetic on cache-resident chunks. s13 D2 (one token, gate_up / down): 34.9 / 20.4 and 38.2 / 21.3 us
     # where the kernel took 42.2 / 26.3: the arithmetic, not the loads, set the pace
@@ -322,6 +317,8 @@ LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_norot"), (3, 
 # kimi_layer_b1_int4_s13d1_h200.json; Kimi-K2 at one token): gate_up / down 42.2 / 26.3 -> 37.8 / 23.9 us alone (the
 # arithmetic alone, probe_arith, had been 38.2 / 21.3; the loads alone, probe_memory, 34.9 / 20.4); in the layer's
 # graph timeline 43.6 + 25.9 -> 39.1 + 22.9 us (groups_xs1, the same kernel for one-row tiles), span 197.8 -> 190.3 us.
+# Confirmed in s13 D3 (results/kimi_layer_b1_int4_s13d3_h200.json, alternated): layer b1 spans 187.7 / 187.4 vs
+# groups_norot's 195.5 / 194.8 us, int4 GEMVs 38.8 + 22.7 vs 43.2 + 25.6.
 LANE_GROUPS_ONE_TOKEN: str | None = "groups_xs"
 # ... and for gate_up with SiLU·mul fused (gemv_silu_kernel; a batch-1 step's gate_up): None, the same
 LANE_GROUPS_ONE_TOKEN_FUSED: str | None = None
