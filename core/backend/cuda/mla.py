@@ -126,6 +126,7 @@ DEFAULT_Q_VIEW = False
 # mla_write_latent_q_pe first.
 FUSED_WRITE_ENV = "OPENINFER_MLA_FUSED_WRITE"
 DEFAULT_FUSED_WRITE = False
+FUSED_WRITE_MIN_ROWS = 1  # the default's fewest rows (the switch set to 1 takes every decode step)
 WRITE_ABSORB_MAX_TOKENS = 16  # mla.cu ABSORB_MAX_TOKENS (each thread's accumulators: 16 rows x 8 columns)
 WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
 # Opt-in until a device A/B: $OPENINFER_MLA_ABSORB_SMALL=1 runs W_UK as mla_absorb_small (mla_write_absorb's blocks
@@ -546,11 +547,13 @@ def fused_write_fits(q: cupy.ndarray, spec: MLASpec, batch) -> bool:
     ($OPENINFER_MLA_FUSED_WRITE 1 / 0, unset: DEFAULT_FUSED_WRITE; another value: a clear error): one new token per
     sequence (rows == sequences: decode steps and their graphs) and q in rows of unit column stride (read in place,
     as $OPENINFER_MLA_Q_VIEW). Kernels other than mla_attention_tma take the q_pe write (``attend_splits``)."""
-    text = os.environ.get(FUSED_WRITE_ENV) or str(int(DEFAULT_FUSED_WRITE))
-    if text not in ("0", "1"):
+    text = os.environ.get(FUSED_WRITE_ENV)
+    if text not in (None, "", "0", "1"):
         raise ValueError(f"{FUSED_WRITE_ENV} is 0 or 1; got {text!r}")
-    return (text == "1" and q.ndim == 2 and q.strides[1] == q.itemsize and q.strides[0] % q.itemsize == 0
-            and q.shape[1] == spec.num_heads * spec.qk_head_dim and int(q.shape[0]) == int(batch.num_seqs))
+    rows = int(q.shape[0])
+    wanted = text == "1" if text else DEFAULT_FUSED_WRITE and rows >= FUSED_WRITE_MIN_ROWS  # unset: the default's rows
+    return (wanted and q.ndim == 2 and q.strides[1] == q.itemsize and q.strides[0] % q.itemsize == 0
+            and q.shape[1] == spec.num_heads * spec.qk_head_dim and rows == int(batch.num_seqs))
 
 
 def q_view_fits(q: cupy.ndarray, spec: MLASpec) -> bool:
