@@ -100,13 +100,6 @@ SPREAD_ROPE_ENV = "OPENINFER_MLA_SPREAD_ROPE"
 # s8 E1 (H200): its first form (scalar W_UK loads, 8 in flight) took 12.3 us at batch 1 where the two launches take
 # 7.7 (3.8 + 3.9): each thread now loads its W_UK rows as 16-byte vectors, all in flight at once.
 WRITE_ABSORB_ENV = "OPENINFER_MLA_WRITE_ABSORB"
-# Opt-in until measured: $OPENINFER_MLA_GATHER_Q=1: where q arrives as a row view of the fused q / kv_a projection
-# (several rows: not contiguous), mla_write_latent_gather_q copies it into a contiguous buffer with its rope dims
-# rotated, in the latent write's launch, instead of a separate copy (cupy.ascontiguousarray) before it: one launch
-# a layer fewer in decode steps of 2+ rows. The same values. Off: with OPENINFER_MOE_COMBINE_NORM (H200, s11 D2)
-# the Moonlight decode steps were not faster (b16 8.079 vs 8.035 ms; the ledger's eager attention op 1.135 -> 1.096 ms).
-GATHER_Q_ENV = "OPENINFER_MLA_GATHER_Q"
-DEFAULT_GATHER_Q = False
 # Opt-in until a device A/B: $OPENINFER_MLA_Q_VIEW=1 leaves q where the projection wrote it (Moonlight: a row view
 # of the fused q / kv_a output) in absorbed steps: the latent write stores every head's rotated q_pe into a small
 # [T, H, rope] buffer of its own (mla_write_latent_q_pe), W_UK reads q's nope dims through its row stride, and the
@@ -151,7 +144,7 @@ EXPAND_SMALL_MAX_TOKENS, EXPAND_SMALL_COLUMNS, EXPAND_SMALL_THREADS = 64, 16, 12
 # The same kernels and sums: bit-equal (GPU-tested).
 # s12 D1 (H200, benchmarks/gpu_step_timeline.py, results/timeline_moonlight_moon13_d1_h200.json: Moonlight decode graphs
 # re-captured in one process, b1 / b16 / b64 step vs the defaults, 2 rounds; noise ~1 %): MLA_PDL 0.990 / 1.000 / 1.006x,
-# EXPAND_SMALL 0.963 / 0.999 / 0.984x, PDL + WRITE_ABSORB + EXPAND_SMALL 0.997 / 0.947 / 0.974x, PDL + GATHER_Q +
+# EXPAND_SMALL 0.963 / 0.999 / 0.984x, PDL + WRITE_ABSORB + EXPAND_SMALL 0.997 / 0.947 / 0.974x, PDL + GATHER_Q (since deleted) +
 # EXPAND_SMALL 0.987 / 0.999 / 0.965x, TMA_CLUSTER=8 0.970 / 1.009 / 0.956x, =16 0.984 / 0.974 / 0.955x, MAX_SPLITS=8
 # 0.933 / 1.004 / 0.994x, =4 0.844 / 0.985 / 0.998x: all stay off. The CUPTI timeline of the b16 graph: attention 16.6,
 # write_latent 4.0, W_UK 3.3, combine 3.6, W_UV 3.3 us a layer, ~0.1 us between kernels.
@@ -429,11 +422,8 @@ def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy
         o_latent = absorbed_attention(q_latent, q_pe, cache, spec, batch, None, num_sms, absorbed_kernel, q_pe_only=True)
         expand_values(blas, o_latent, w_uv, spec, out)
         return out
-    if gather_q_fits(q, spec):
-        q = write_latent_gather_q(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
-    else:
-        q = cupy.ascontiguousarray(q)  # its rope dims are rotated in place: callers pass a buffer they own
-        write_latent(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
+    q = cupy.ascontiguousarray(q)  # its rope dims are rotated in place: callers pass a buffer they own
+    write_latent(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
     if plan is None:
         _absorbed(blas, q, cache, w_uk, w_uv, spec, batch, out, None, num_sms, absorbed_kernel)
         return out
@@ -502,32 +492,6 @@ def write_latent(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_
     kernel("mla.cu", "mla_write_latent", **_decode_defines(spec))((int(q.shape[0]), rope_blocks), (128,), (
         latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
         np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), batch.positions, batch.slot_mapping, cos, sin, cache))
-
-
-def gather_q_fits(q: cupy.ndarray, spec: MLASpec) -> bool:
-    """Whether ``mla_forward`` gathers ``q`` in the latent write (``write_latent_gather_q``): $OPENINFER_MLA_GATHER_Q
-    1 / 0 (unset: DEFAULT_GATHER_Q; another value: a clear error) and ``q`` a row view (not contiguous, unit column
-    stride)."""
-    text = os.environ.get(GATHER_Q_ENV) or str(int(DEFAULT_GATHER_Q))
-    if text not in ("0", "1"):
-        raise ValueError(f"{GATHER_Q_ENV} is 0 or 1; got {text!r}")
-    return (text == "1" and q.ndim == 2 and not q.flags.c_contiguous and q.strides[1] == q.itemsize
-            and q.strides[0] % q.itemsize == 0 and q.shape[1] == spec.num_heads * spec.qk_head_dim)
-
-
-def write_latent_gather_q(q_rows: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_a_norm: cupy.ndarray,
-                          spec: MLASpec, batch, cos: cupy.ndarray, sin: cupy.ndarray, eps: float) -> cupy.ndarray:
-    """``write_latent`` of ``q_rows`` copied first (``q = ascontiguousarray(q_rows)``) in one launch
-    (mla_write_latent_gather_q): the latent rows stored, and the contiguous q with its rope dims rotated returned."""
-    heads = spec.num_heads
-    q = cupy.empty(q_rows.shape, dtype=cupy.uint16)
-    spread = os.environ.get(SPREAD_ROPE_ENV, "1") not in ("0", "false", "off")
-    rope_blocks = -(-heads * spec.qk_rope_dim // 2 // 128) if spread else 1
-    kernel("mla.cu", "mla_write_latent_gather_q", **_decode_defines(spec))((int(q.shape[0]), rope_blocks), (128,), (
-        latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q_rows, np.int32(q_rows.strides[0] // 2),
-        q, np.int32(heads), np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), batch.positions,
-        batch.slot_mapping, cos, sin, cache))
-    return q
 
 
 @dataclass(frozen=True)
