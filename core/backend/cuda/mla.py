@@ -100,13 +100,16 @@ SPREAD_ROPE_ENV = "OPENINFER_MLA_SPREAD_ROPE"
 # s8 E1 (H200): its first form (scalar W_UK loads, 8 in flight) took 12.3 us at batch 1 where the two launches take
 # 7.7 (3.8 + 3.9): each thread now loads its W_UK rows as 16-byte vectors, all in flight at once.
 WRITE_ABSORB_ENV = "OPENINFER_MLA_WRITE_ABSORB"
-# Opt-in until a device A/B: $OPENINFER_MLA_Q_VIEW=1 leaves q where the projection wrote it (Moonlight: a row view
-# of the fused q / kv_a output) in absorbed steps: the latent write stores every head's rotated q_pe into a small
-# [T, H, rope] buffer of its own (mla_write_latent_q_pe), W_UK reads q's nope dims through its row stride, and the
-# attention kernels read that q_pe buffer (q_stride rope, offset 0). No copy of q (s12 D2b trace: a
-# cupy_copy__uint16_uint16 of 1.5 us a layer at Moonlight b16) and no in-place rotation: the same values, the same bits.
+# Default since s13 D3: $OPENINFER_MLA_Q_VIEW (1) leaves q where the projection wrote it (Moonlight: a row view of the
+# fused q / kv_a output) in absorbed steps: the latent write stores every head's rotated q_pe into a small [T, H, rope]
+# buffer of its own (mla_write_latent_q_pe), W_UK reads q's nope dims through its row stride, and the attention kernels
+# read that q_pe buffer (q_stride rope, offset 0). No copy of q (a cupy_copy__uint16_uint16 of 1.5 / 2.2 us a layer at
+# Moonlight b16 / b64) and no in-place rotation: the same values, the same bits (logits equal in every A/B). H200,
+# Moonlight decode graphs, gpu_step_timeline.py, b16 / b64 step vs the copy: s13 early D1 1.007 / 1.007x
+# (timeline_moonlight_mla13_d1.json), D3 1.010 / 1.009x (timeline_moonlight_mla13_d3.json; b1 within noise: one row
+# needs no copy). =0: the copy.
 Q_VIEW_ENV = "OPENINFER_MLA_Q_VIEW"
-DEFAULT_Q_VIEW = False
+DEFAULT_Q_VIEW = True
 # Opt-in until a device A/B: $OPENINFER_MLA_FUSED_WRITE=1 folds mla_write_latent into mla_attention_tma in steps of
 # one new token per sequence (decode steps and their graphs): the split that holds a token's own position computes
 # its latent row (the write kernel's sums), head block 0 stores it, the tile holding that position takes it from
