@@ -770,7 +770,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         keys = shared_keys(num_tokens)
         splits = resident_splits(num_tokens, head_chunks, num_sms, 2 if keys == 32 else 1)
     elif name == "tma":
-        blocks_per_sm = mla_decode_sm90.tma_blocks_per_sm_of(spec)
+        blocks_per_sm = mla_decode_sm90.tma_blocks_per_sm_of(spec, latent_write is not None)
         splits = resident_splits(num_tokens, head_chunks, num_sms, blocks_per_sm)
         cluster = mla_decode_sm90.tma_cluster(spec, splits, num_tokens)
         balance_slots = 0
@@ -779,7 +779,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         elif mla_decode_sm90.tma_balance():
             splits = max(splits, mla_decode_sm90.BALANCE_MIN_SPLITS)
             balance_slots = max(1, blocks_per_sm * num_sms // head_chunks)
-        staged_q = mla_decode_sm90.q_tile() and mla_decode_sm90.q_tile_fits(spec, q, *q_layout)
+        staged_q = mla_decode_sm90.q_tile(latent_write is not None) and mla_decode_sm90.q_tile_fits(spec, q, *q_layout)
         tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, pdl() and cluster == 1,
                                                                     latent_write is not None, staged_q)
     else:
