@@ -894,9 +894,9 @@ def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarra
 # graphs, so off: Moonlight decode ledger (H200, s11 D2) b1 / b16 / b64 2.757 / 8.035 / 9.857 ms off vs 2.809 / 8.079 /
 # 9.891 with this and OPENINFER_MLA_GATHER_Q (a graph's launches are cheap; a block per token does the combine's
 # loads serially where moe_combine spreads them over more blocks).
-# s13: the kernel rewritten (each thread's columns in registers, the slots' loads issued together; the same bits): D2
-# (H200, benchmarks/gpu_moe_grouped.py norms, graphs) 4.52 vs 4.73 us apart at 16 tokens, 4.62 vs 5.30 at 64; the
-# Moonlight step b1 / b16 / b64 0.978 / 0.996 / 0.994x (gpu_step_timeline.py, two rounds, within noise): still off.
+# s13 (H200, gpu_step_timeline.py, one process, two rounds): Moonlight b16 / b64 0.995 / 0.992x, still off; a rewrite
+# holding each thread's columns in registers (same bits) measured the same (0.996 / 0.994x; the kernel alone 4.52 vs
+# 4.73 us apart at 16 tokens, benchmarks/gpu_moe_grouped.py norms) and was not kept.
 COMBINE_NORM_ENV = "OPENINFER_MOE_COMBINE_NORM"
 COMBINE_NORM_MAX_TOKENS = 128
 DEFAULT_COMBINE_NORM = False
@@ -923,8 +923,7 @@ def combine_add_rms_norm(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared
     out, residual_out = cupy.empty_like(residual), cupy.empty_like(residual)
     if num_tokens:
         threads = min(1024, max(32, -(-hidden // 64) * 32))  # the block add_rms_norm's (its sum order)
-        columns = -(-hidden // threads)  # each thread's columns, held in registers
-        kernel("rms_norm.cu", "moe_combine_add_rms_norm", COMBINE_NORM_COLS=columns)((num_tokens,), (threads,), (
+        kernel("rms_norm.cu", "moe_combine_add_rms_norm")((num_tokens,), (threads,), (
             y, grouping.slot_pos, grouping.weights, NULL if shared is None else shared, np.int32(grouping.top_k),
             residual, weight, out, residual_out, np.int32(hidden), np.float32(eps)))
     return out, residual_out
