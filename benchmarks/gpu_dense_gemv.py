@@ -45,7 +45,11 @@ SHAPES: dict[str, list[tuple[str, int, int, str]]] = {
 # (gemv_m1_cols / gemv_m1_ksplit / gemv_m1_deep, slower at every Kimi-K2 shape in 2026-11-24's D2 and s12's D2b, are
 # gone: dense_gemv_int4d_d2_h200.json, kimi_layer_b1_kimi13_d2b; so is gemv_m1_pipelined, the next pass's loads in
 # flight while a pass multiplies: s13 D2, dense_gemv_int4_s13d1_h200.json, qkv_a 9.6 -> 13.1, o_proj 29.5 -> 41.0 us)
-VARIANTS = {"batched_tail": {"GEMV_BATCHED_TAIL": 1}, "serial_tail": {"GEMV_BATCHED_TAIL": 0}}
+# unroll4 / 6 / 12: gemv_m1's pass of GEMV_M1_UNROLL 16-byte loads a lane (default 8) shorter or longer (bits of the
+# default: each lane's k in order)
+VARIANTS = {"batched_tail": {"GEMV_BATCHED_TAIL": 1}, "serial_tail": {"GEMV_BATCHED_TAIL": 0},
+            "unroll4": {"GEMV_BATCHED_TAIL": 1, "GEMV_M1_UNROLL": 4}, "unroll6": {"GEMV_BATCHED_TAIL": 1, "GEMV_M1_UNROLL": 6},
+            "unroll12": {"GEMV_BATCHED_TAIL": 1, "GEMV_M1_UNROLL": 12}}
 DEFAULT_VARIANTS = "batched_tail,serial_tail"
 CALLS = 16  # calls per timed graph
 MIN_ROTATION_BYTES = 256 << 20

@@ -63,12 +63,9 @@
 #endif                  // registers beside each group's sum (the -136 term: one mma a chunk instead of eight), for
                         // passes of that many token rows (1: a batch-1 step's tiles, half the shared memory; a tile
                         // of more rows streams its weights once a row); one token pair. See groups_stage_activations
-#ifndef GROUPS_XSMEM_AT_USE
-#define GROUPS_XSMEM_AT_USE 0  // 1 (with GROUPS_XSMEM): each chunk's staged activations read just before its mma
-#endif                         // (shared memory is near: one buffer of them live instead of two; fewer registers)
-#if GROUPS_XSMEM_AT_USE && !GROUPS_XSMEM
-#error "GROUPS_XSMEM_AT_USE reads staged activations: GROUPS_XSMEM"
-#endif
+#ifndef GROUPS_LINEAR_WALK
+#define GROUPS_LINEAR_WALK 0  // 1 (unrotated): the chunk walk without its wrap test (sm_90 SASS of groups_xs's steady
+#endif                        // loop: 97 -> 90 instructions per KB)
 #define GROUPS_PASS_ROWS (GROUPS_XSMEM == 1 ? 1 : 2 * GROUPS_PAIRS)  // token rows a pass over the weights
 #define GROUPS_XSMEM_RECORD 80  // bytes a (chunk, group, token) record: 16 B registers (64), the sum's 2 (8), pad
 #if GROUPS_XSMEM && (GROUPS_PAIRS != 1 || GROUPS_STAGES || GROUPS_PROBE)
@@ -490,7 +487,10 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
 #endif
         const int count = c_end - c_begin;
         const int start = c_begin + (GROUPS_ROTATE && count ? (int)(half_block * 37LL % count) : 0);
-        const auto next_chunk = [&](int c) { return c + 1 == c_end ? c_begin : c + 1; };
+        // (GROUPS_LINEAR_WALK, unrotated: the walk starts at c_begin and no load runs past c_end, so no wrap to test)
+        const auto next_chunk = [&](int c) {
+            return (GROUPS_ROTATE || !GROUPS_LINEAR_WALK) && c + 1 == c_end ? c_begin : c + 1;
+        };
         // the -136 operand and the bf16 magic, opaque to the compiler (which would otherwise rebuild the
         // constants before each use)
         unsigned neg136[4], magic = 0x43004300u;
@@ -572,23 +572,15 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             groups_stage_pass(groups_xs, a, sorted_slots, top_k, pass, rows, chunks, K, token_of_lane, t, x_at, x_stride);
 #endif
             uint4 xv[2][GROUPS_PAIRS][GROUPS_X_WORDS];
-#if GROUPS_XSMEM_AT_USE  // the staged activations read where they are multiplied (one buffer live, not two)
-            int x_chunk = start;
-#else
             groups_x_load(xv[0], x_at, x_stride, start);
             int x_chunk = next_chunk(start);  // the chunk whose activations load next
-#endif
             int c0 = 0;
             for (; c0 + 2 * GROUPS_DEPTH - 1 <= count; c0 += GROUPS_DEPTH) {  // every load of the turn in range
     #pragma unroll
                 for (int d = 0; d < GROUPS_DEPTH; ++d) {
                     ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(rows_of_warp, load_chunk);  // the slot used last
                     load_chunk = next_chunk(load_chunk);
-#if GROUPS_XSMEM_AT_USE
-                    groups_x_load(xv[d % 2], x_at, x_stride, x_chunk);
-#else
                     groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
-#endif
                     x_chunk = next_chunk(x_chunk);
                     groups_chunk(acc, ring[d], xv[d % 2], neg136, magic);
                 }
@@ -602,15 +594,10 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                         load_chunk = next_chunk(load_chunk);
                     }
                     if (c < count) {
-#if GROUPS_XSMEM_AT_USE
-                        groups_x_load(xv[d % 2], x_at, x_stride, x_chunk);
-                        x_chunk = next_chunk(x_chunk);
-#else
                         if (c + 1 < count) {
                             groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
                             x_chunk = next_chunk(x_chunk);
                         }
-#endif
                         groups_chunk(acc, ring[d], xv[d % 2], neg136, magic);
                     }
                 }

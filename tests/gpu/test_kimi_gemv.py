@@ -44,7 +44,7 @@ LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "ti
                        "groups_norot_acc2", "groups_acc2", "groups_norot_acc4",
                        "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6",
                        "groups_s8_k2", "groups_s8_p2", "groups_s8_p4", "groups_xs", "groups_xs_d2", "groups_xs1",
-                       "groups_xs_u5", "groups_xs_d2_u6"]
+                       "groups_xs_lw"]
 
 
 def _kernel_id(kernel) -> str:
@@ -153,7 +153,7 @@ def test_int4_layout_switch(cuda_moe, rng, monkeypatch, layout):
 
 def test_lane_groups_one_token_choice_and_shared_memory(cuda_moe, rng, monkeypatch):
     """LANE_GROUPS_ONE_TOKEN runs a one-token grouped step (every tile one row) ahead of LANE_GROUPS_CHOICE, and only
-    there; a forced kernel wins; groups_shared_bytes sizes GROUPS_XSMEM's staged rows and the shared-memory ring, and
+    there (LANE_GROUPS_ONE_TOKEN_FUSED, where set, the fused SiLU·mul gate_up); a forced kernel wins; groups_shared_bytes sizes GROUPS_XSMEM's staged rows and the shared-memory ring, and
     says clearly when a block cannot hold them."""
     moe = cuda_moe
     weight = moe.tiled_int4(_int4_experts(rng, 4, 64, 256)[0], "lane_groups")
@@ -161,8 +161,8 @@ def test_lane_groups_one_token_choice_and_shared_memory(cuda_moe, rng, monkeypat
     monkeypatch.setattr(moe, "LANE_GROUPS_ONE_TOKEN", None)
     table = moe.layout_gemv(weight, "mma_staged", None, 0.02)
     assert moe.layout_gemv(weight, "mma_staged", None, 0.02, one_token=True) == table  # None: the table's
-    monkeypatch.setattr(moe, "LANE_GROUPS_ONE_TOKEN", "groups_xs_u5")
-    assert moe.layout_gemv(weight, "mma_staged", None, 0.02, one_token=True) == "groups_xs_u5"
+    monkeypatch.setattr(moe, "LANE_GROUPS_ONE_TOKEN", "groups_xs1")
+    assert moe.layout_gemv(weight, "mma_staged", None, 0.02, one_token=True) == "groups_xs1"
     assert moe.layout_gemv(weight, "mma_staged", None, 0.04) == table
     # a forced kernel (the name choose_gemv hands over) runs as it is
     assert moe.layout_gemv(weight, "groups_norot", "groups_norot", 0.02, one_token=True) == "groups_norot"
@@ -170,8 +170,11 @@ def test_lane_groups_one_token_choice_and_shared_memory(cuda_moe, rng, monkeypat
     one = moe.group_by_expert(cupy.asarray(np.array([[0, 2]], np.int32)), cupy.ones((1, 2), cupy.float32), 4)
     two = moe.group_by_expert(cupy.asarray(np.array([[0, 2], [0, 1]], np.int32)), cupy.ones((2, 2), cupy.float32), 4)
     monkeypatch.setenv(moe.GEMV_SILU_ENV, "1")
-    assert moe.gemv_silu_kernel(x, weight, one) == "groups_xs_u5"
-    assert moe.gemv_silu_kernel(cupy.concatenate([x, x]), weight, two) != "groups_xs_u5"
+    assert moe.gemv_silu_kernel(x, weight, one) == "groups_xs1"
+    monkeypatch.setattr(moe, "LANE_GROUPS_ONE_TOKEN_FUSED", "groups_xs_lw")  # the fused gate_up's own
+    assert moe.gemv_silu_kernel(x, weight, one) == "groups_xs_lw"
+    assert moe.layout_gemv(weight, "mma_staged", None, 0.02, one_token=True) == "groups_xs1"
+    assert moe.gemv_silu_kernel(cupy.concatenate([x, x]), weight, two) != "groups_xs1"
     assert moe.groups_shared_bytes({"GROUPS_XSMEM": 1}, 7168) == (0, (4 * 56 + 1) * 80)
     assert moe.groups_shared_bytes({"GROUPS_XSMEM": 2}, 2048) == (0, (8 * 16 + 1) * 80)
     assert moe.groups_shared_bytes({"GROUPS_STAGES": 8, "GROUPS_KSPLIT": 2}, 2048) == (4 * 8 * 1280 + 2048, 0)
@@ -301,7 +304,7 @@ def test_wide_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, monkeypat
 # --- the lane-groups layout (tile_int4(lane_groups=True), moe.cu INT4_TILED 2) and moe_int4.cu's GEMV ---
 
 
-@pytest.mark.parametrize("gemv_kernel", [None, "groups_norot", "groups_xs", "groups_xs_u5", "groups_xs_d2_u6"])
+@pytest.mark.parametrize("gemv_kernel", [None, "groups_norot", "groups_xs", "groups_xs_lw"])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 64])
 def test_lane_groups_moe_forward_equals_rows(cuda_backend, cuda_moe, rng, monkeypatch, tokens, gemv_kernel):
     """moe_forward (routing, gate_up GEMV, SiLU·mul, down GEMV, weighted combine) with lane-groups experts:
@@ -341,7 +344,7 @@ def test_lane_groups_moe_forward_equals_rows(cuda_backend, cuda_moe, rng, monkey
 
 
 @pytest.mark.parametrize("gemv_kernel", ["groups", "groups_d2", "groups_d6", "groups_norot", "groups_s8", "groups_s8_k2",
-                                         "groups_xs", "groups_xs_d2", "groups_xs1", "groups_xs_u5", "groups_xs_d2_u6"])
+                                         "groups_xs", "groups_xs_d2", "groups_xs1", "groups_xs_lw"])
 @pytest.mark.parametrize("tokens", [1, 2, 40])
 def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, monkeypatch, gemv_kernel, tokens):
     """OPENINFER_MOE_GEMV_SILU=1 with lane-groups gate_up: moe_gemv_int4_groups with SiLU·mul fused (each warp

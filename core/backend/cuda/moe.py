@@ -284,11 +284,10 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "groups_xs": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0},
     "groups_xs_d2": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_DEPTH": 2},
     "groups_xs1": {"GROUPS_XSMEM": 1, "GROUPS_ROTATE": 0},
-    # ... each chunk's staged activations read at its mma (GROUPS_XSMEM_AT_USE: one buffer live), so at most 93 / 80
-    # registers: 5 / 6 blocks an SM (a batch-1 down projection's 896 blocks in 1.4 / 1.1 waves instead of 1.7)
-    "groups_xs_u5": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_XSMEM_AT_USE": 1, "GROUPS_MIN_BLOCKS": 5},
-    "groups_xs_d2_u6": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_XSMEM_AT_USE": 1, "GROUPS_DEPTH": 2,
-                        "GROUPS_MIN_BLOCKS": 6},
+    # (Read at their mma, GROUPS_XSMEM_AT_USE: 93 / 80 registers, 5 / 6 blocks an SM; slower in s13 D3: gate_up / down
+    # 38.9 / 24.9 and, ring of 2, 42.4 / 27.0 us vs 37.8 / 24.0; deleted.)
+    # ... walking the chunks without the rotation's wrap test (GROUPS_LINEAR_WALK: 97 -> 90 instructions per KB)
+    "groups_xs_lw": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_LINEAR_WALK": 1},
     # measuring only, wrong results (moe_int4.cu GROUPS_PROBE): groups_norot's memory stream without the arithmetic,
     # its arithmetic on cache-resident chunks. s13 D2 (one token, gate_up / down): 34.9 / 20.4 and 38.2 / 21.3 us
     # where the kernel took 42.2 / 26.3: the arithmetic, not the loads, set the pace
@@ -323,7 +322,11 @@ LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_norot"), (3, 
 # kimi_layer_b1_int4_s13d1_h200.json; Kimi-K2 at one token): gate_up / down 42.2 / 26.3 -> 37.8 / 23.9 us alone (the
 # arithmetic alone, probe_arith, had been 38.2 / 21.3; the loads alone, probe_memory, 34.9 / 20.4); in the layer's
 # graph timeline 43.6 + 25.9 -> 39.1 + 22.9 us (groups_xs1, the same kernel for one-row tiles), span 197.8 -> 190.3 us.
+# Confirmed in s13 D3 (results/kimi_layer_b1_int4_s13d3_h200.json, alternated): layer b1 spans 187.7 / 187.4 vs
+# groups_norot's 195.5 / 194.8 us, int4 GEMVs 38.8 + 22.7 vs 43.2 + 25.6.
 LANE_GROUPS_ONE_TOKEN: str | None = "groups_xs"
+# ... and for gate_up with SiLU·mul fused (gemv_silu_kernel; a batch-1 step's gate_up): None, the same
+LANE_GROUPS_ONE_TOKEN_FUSED: str | None = None
 # OPENINFER_INT4_ROW_BLOCKS (moe_int4.cu GROUPS_ROW_BLOCKS): each block of moe_gemv_int4_groups takes R column
 # blocks in turn (blockIdx.x, + gridDim.x, ...), the grid R times narrower. "auto": for decode-sized grids (at most
 # ROW_BLOCKS_MAX_TILES tile rows) that exceed one wave of resident blocks by a quarter or more, R = the waves
@@ -627,18 +630,19 @@ def gemv_for(rows_per_weight: float, grouped: bool, weight_format: str, gemv_ker
 
 
 def layout_gemv(weight: ExpertLinear, name: str | None, gemv_kernel: str | None = None,
-                rows_per_weight: float = 0.0, one_token: bool = False) -> str | None:
+                rows_per_weight: float = 0.0, one_token: bool = False, fused: bool = False) -> str | None:
     """The decode GEMV for ``weight`` where the tables chose ``name``: TILED_GEMV for tiled INT4
-    weights, LANE_GROUPS_ONE_TOKEN in a grouped step of ``one_token``, else LANE_GROUPS_CHOICE's by
-    ``rows_per_weight`` for lane-groups ones (past it ``name``), unless a kernel is forced
-    (``forced_gemv_kernel``); else ``name``."""
+    weights, LANE_GROUPS_ONE_TOKEN (``fused``, SiLU·mul in it: LANE_GROUPS_ONE_TOKEN_FUSED first) in a grouped
+    step of ``one_token``, else LANE_GROUPS_CHOICE's by ``rows_per_weight`` for lane-groups ones (past it
+    ``name``), unless a kernel is forced (``forced_gemv_kernel``); else ``name``."""
     if name is None or forced_gemv_kernel(gemv_kernel) is not None:
         return name
     if weight.layout == "tiled":
         return TILED_GEMV
     if weight.layout == "lane_groups":
-        if one_token and LANE_GROUPS_ONE_TOKEN is not None:
-            return LANE_GROUPS_ONE_TOKEN
+        one = (fused and LANE_GROUPS_ONE_TOKEN_FUSED) or LANE_GROUPS_ONE_TOKEN
+        if one_token and one is not None:
+            return one
         return next((kernel for most, kernel in LANE_GROUPS_CHOICE if rows_per_weight <= most), name)
     return name
 
@@ -891,9 +895,9 @@ def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarra
 # graphs, so off: Moonlight decode ledger (H200, s11 D2) b1 / b16 / b64 2.757 / 8.035 / 9.857 ms off vs 2.809 / 8.079 /
 # 9.891 with this and OPENINFER_MLA_GATHER_Q (a graph's launches are cheap; a block per token does the combine's
 # loads serially where moe_combine spreads them over more blocks).
-# s13: the kernel rewritten (each thread's columns in registers, the slots' loads issued together; the same bits): D2
-# (H200, benchmarks/gpu_moe_grouped.py norms, graphs) 4.52 vs 4.73 us apart at 16 tokens, 4.62 vs 5.30 at 64; the
-# Moonlight step b1 / b16 / b64 0.978 / 0.996 / 0.994x (gpu_step_timeline.py, two rounds, within noise): still off.
+# s13 (H200, gpu_step_timeline.py, one process, two rounds): Moonlight b16 / b64 0.995 / 0.992x, still off; a rewrite
+# holding each thread's columns in registers (same bits) measured the same (0.996 / 0.994x; the kernel alone 4.52 vs
+# 4.73 us apart at 16 tokens, benchmarks/gpu_moe_grouped.py norms) and was not kept.
 COMBINE_NORM_ENV = "OPENINFER_MOE_COMBINE_NORM"
 COMBINE_NORM_MAX_TOKENS = 128
 DEFAULT_COMBINE_NORM = False
@@ -920,8 +924,7 @@ def combine_add_rms_norm(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared
     out, residual_out = cupy.empty_like(residual), cupy.empty_like(residual)
     if num_tokens:
         threads = min(1024, max(32, -(-hidden // 64) * 32))  # the block add_rms_norm's (its sum order)
-        columns = -(-hidden // threads)  # each thread's columns, held in registers
-        kernel("rms_norm.cu", "moe_combine_add_rms_norm", COMBINE_NORM_COLS=columns)((num_tokens,), (threads,), (
+        kernel("rms_norm.cu", "moe_combine_add_rms_norm")((num_tokens,), (threads,), (
             y, grouping.slot_pos, grouping.weights, NULL if shared is None else shared, np.int32(grouping.top_k),
             residual, weight, out, residual_out, np.int32(hidden), np.float32(eps)))
     return out, residual_out
@@ -1318,7 +1321,7 @@ def gemv_silu_kernel(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGro
         return None
     per_expert = int(grouping.sorted_slots.size) / gate_up.num_experts
     name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None, per_expert,
-                       one_token=int(grouping.sorted_slots.size) == grouping.top_k)
+                       one_token=int(grouping.sorted_slots.size) == grouping.top_k, fused=True)
     defines = GEMV_KERNELS.get(name, {}) if name is not None else {}
     if name in GROUPS_GEMVS and gate_up.layout == "lane_groups":  # =1 always; unset: up to LANE_GROUPS_SILU_MAX_SLOTS
         wanted = explicit or per_expert <= LANE_GROUPS_SILU_MAX_SLOTS
