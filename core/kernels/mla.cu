@@ -117,43 +117,6 @@ extern "C" __global__ void mla_write_latent_q_pe(const bf16* __restrict__ kv_a /
 #define ABSORB_THREADS 128     // 8 groups of 8 columns x 16 groups of nope rows
 #define ABSORB_ROWS (NOPE_DIM / 16)  // nope rows per thread
 
-// mla_write_latent that also gathers q: q_src rows (a row view of the fused q / kv_a projection, q_src_stride
-// elements apart) copied into contiguous q [T, num_heads, q_stride] with every head's q_pe rotated on the way (the
-// caller's contiguous copy of q and its launch go; the same values). Blocks as mla_write_latent's.
-extern "C" __global__ void mla_write_latent_gather_q(const bf16* __restrict__ kv_a /* [T, kv_a_stride] */,
-                                                     int kv_a_stride, const bf16* __restrict__ norm_weight, float eps,
-                                                     const bf16* __restrict__ q_src, int q_src_stride,
-                                                     bf16* __restrict__ q, int num_heads, int q_stride, int q_pe_offset,
-                                                     const int* __restrict__ positions,
-                                                     const int* __restrict__ slot_mapping,
-                                                     const float* __restrict__ cos_table,
-                                                     const float* __restrict__ sin_table, bf16* __restrict__ cache) {
-    __shared__ float scratch[32];
-    const int t = blockIdx.x;
-    mla_pdl_enter();
-    const int half = ROPE_DIM / 2;
-    const float* cos_row = cos_table + (long long)positions[t] * half;
-    const float* sin_row = sin_table + (long long)positions[t] * half;
-    if (blockIdx.y == 0)
-        mla_store_latent_row(kv_a + (long long)t * kv_a_stride, norm_weight, eps, slot_mapping[t], cos_row, sin_row,
-                             cache, scratch);
-    const bf16* src = q_src + (long long)t * q_src_stride;
-    bf16* dst = q + (long long)t * num_heads * q_stride;
-    const int stride = gridDim.y * blockDim.x, first = blockIdx.y * blockDim.x + threadIdx.x;
-    for (int i = first; i < num_heads * q_pe_offset; i += stride) {  // every head's nope dims as they are
-        const int h = i / q_pe_offset, c = i % q_pe_offset;
-        dst[h * q_stride + c] = src[h * q_stride + c];
-    }
-    for (int i = first; i < num_heads * half; i += stride) {  // every head's q_pe, rotated (mla_rotate_q_pe's sums)
-        const int h = i / half, d = i % half;
-        const bf16* pe = src + h * q_stride + q_pe_offset;
-        bf16* pe_out = dst + h * q_stride + q_pe_offset;
-        const float2 r = mla_rope_pair(__bfloat162float(pe[d]), __bfloat162float(pe[half + d]), cos_row[d], sin_row[d]);
-        pe_out[d] = __float2bfloat16_rn(r.x);
-        pe_out[half + d] = __float2bfloat16_rn(r.y);
-    }
-}
-
 // W_UK's columns 64c .. 64c + 63 of head h for every row (mla_write_absorb's and mla_absorb_small's block (h, c)):
 // `w` holds this thread's NOPE_DIM / 16 rows of 8 columns (loaded by the caller: all in flight at once), q_nope of
 // every row goes through shared memory (rows q_token_stride elements apart, heads q_stride apart), the row groups are

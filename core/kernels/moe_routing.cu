@@ -746,6 +746,11 @@ __device__ __forceinline__ void warp_route_token_keys(const float (&logit)[ROUTE
     }
 }
 
+// moe_route_decode's counter zeroed by a kernel node (OPENINFER_MOE_ROUTE_DECODE_TICKET=kernel) instead of a memset node.
+extern "C" __global__ void __launch_bounds__(32) moe_route_decode_ticket(unsigned* done) {
+    if (threadIdx.x == 0) *done = 0u;
+}
+
 extern "C" __global__ void __launch_bounds__(ROUTE_DECODE_WARPS * 32)
 moe_route_decode(const bf16* __restrict__ x, const bf16* __restrict__ gate, int num_tokens, int hidden,
                  float* logits /* [T, E] scratch */, unsigned* done, const float* __restrict__ bias /* [E] or null */,

@@ -161,38 +161,6 @@ __device__ __forceinline__ int sm90_expert_at(int j, int num_experts) {
 #define SM90_B_FIRST 0
 #endif
 
-// SM90_EVICT_FIRST=1 (OPENINFER_MOE_SM90_EVICT_FIRST): the weight boxes are copied with an L2 evict-first policy. The
-// experts' weights stream through L2 once a step (~0.9 GB a Moonlight layer); marked evict-first they stop pushing out
-// the few small arrays the kernels after the MoE read again at once (the residual, the combine's rows, norm weights:
-// read back from HBM today, ~1 us more for the next add_rms_norm). A hint: the numbers never change.
-#ifndef SM90_EVICT_FIRST
-#define SM90_EVICT_FIRST 0
-#endif
-#if SM90_EVICT_FIRST && (SM90_MULTICAST || SM90_L2_AHEAD)
-#error "SM90_EVICT_FIRST is built for single CTAs without the L2 look-ahead"
-#endif
-
-__device__ __forceinline__ unsigned long long l2_evict_first_policy() {
-    unsigned long long policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-    return policy;
-}
-
-// The weight box at (x, y, z) into dst, counted on bar (SM90_EVICT_FIRST: with that L2 policy).
-__device__ __forceinline__ void load_weight_box(u32 dst, const void* map, int x, int y, int z, u32 bar,
-                                                unsigned long long policy) {
-#if SM90_EVICT_FIRST
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
-        " [%0], [%1, {%2, %3, %4}], [%5], %6;\n"
-        ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar), "l"(policy)
-        : "memory");
-#else
-    (void)policy;
-    tma_load_3d(dst, map, x, y, z, bar);
-#endif
-}
-
 __device__ __forceinline__ void tma_prefetch_l2_3d(const void* map, int x, int y, int z) {
     asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n"
                  ::"l"(map), "r"(x), "r"(y), "r"(z) : "memory");
@@ -336,11 +304,6 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
 #endif
         const int t = threadIdx.x, chunk = t & 7, row0 = t >> 3;  // rows row0 + 16 i, 16-byte chunk `chunk`
         if (t == 0) prefetch_tensor_map(&weight_map);
-#if SM90_EVICT_FIRST
-        const unsigned long long weight_policy = l2_evict_first_policy();
-#else
-        const unsigned long long weight_policy = 0;
-#endif
         int step = 0;  // k-tiles produced so far (ring position)
 #if SM90_PDL == 1
         int prefetched = 0;  // of them, k-tiles whose weight boxes went out before griddepcontrol.wait
@@ -368,8 +331,8 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
 #pragma unroll
                     for (int sub = 0; sub < SM90_K_SUB; ++sub) {
                         const int k0 = kt * SM90_STAGE_K + sub * SM90_TILE_K;
-                        load_weight_box(b_smem + sub * SM90_B_SUB_BYTES, &weight_map, k0, 0, first_row, full, weight_policy);
-                        load_weight_box(b_smem + sub * SM90_B_SUB_BYTES + SM90_BOX_ROWS * 128, &weight_map, k0, 0, second_row, full, weight_policy);
+                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES, &weight_map, k0, 0, first_row, full);
+                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES + SM90_BOX_ROWS * 128, &weight_map, k0, 0, second_row, full);
                     }
                 }
         }
@@ -407,14 +370,14 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                     tma_load_3d_multicast(b_smem + rank * SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0,
                                           rank ? second_row : first_row, full, 3);
 #elif SM90_K_SUB == 1
-                    load_weight_box(b_smem, &weight_map, kt * SM90_TILE_K, 0, first_row, full, weight_policy);
-                    load_weight_box(b_smem + SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0, second_row, full, weight_policy);
+                    tma_load_3d(b_smem, &weight_map, kt * SM90_TILE_K, 0, first_row, full);
+                    tma_load_3d(b_smem + SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0, second_row, full);
 #else
 #pragma unroll
                     for (int sub = 0; sub < SM90_K_SUB; ++sub) {
                         const int k0 = kt * SM90_STAGE_K + sub * SM90_TILE_K;
-                        load_weight_box(b_smem + sub * SM90_B_SUB_BYTES, &weight_map, k0, 0, first_row, full, weight_policy);
-                        load_weight_box(b_smem + sub * SM90_B_SUB_BYTES + SM90_BOX_ROWS * 128, &weight_map, k0, 0, second_row, full, weight_policy);
+                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES, &weight_map, k0, 0, first_row, full);
+                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES + SM90_BOX_ROWS * 128, &weight_map, k0, 0, second_row, full);
                     }
 #endif
                 };

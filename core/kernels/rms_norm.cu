@@ -26,72 +26,31 @@ extern "C" __global__ void add_rms_norm(const bf16* __restrict__ x, const bf16* 
 // combine's launch and its [T, hidden] round trip go). moe = moe.cu moe_combine's sum (the same fp32 order:
 // j ascending from 0; shared: the routed sum rounded to bf16, then + shared), rounded to bf16; then
 // add_rms_norm(moe, residual): residual_out = bf16(moe + residual), out = rms_norm(residual_out) * weight.
-// The same bits as moe_combine followed by add_rms_norm (the block kernel above: thread t takes columns t, t + T,
-// ... and sums their squares in that order before block_sum, as normalize_row does). A lone block per token is
-// latency-bound, so each thread holds its COMBINE_NORM_COLS columns in registers (no second pass over the row
-// in memory), the token's slot positions and weights are loaded once, and every column's slot loads are issued
-// before the sums. Needs features <= COMBINE_NORM_COLS * blockDim.x (the launch builds the kernel for its width).
+// The same bits as moe_combine followed by add_rms_norm (the block kernel above).
 #define COMBINE_NORM_MAX_TOPK 16  // k (+ fused shared experts) per token: core's MAX_TOPK
-#ifndef COMBINE_NORM_COLS
-#define COMBINE_NORM_COLS 2  // columns per thread: ceil(features / blockDim.x)
-#endif
 extern "C" __global__ void moe_combine_add_rms_norm(const bf16* __restrict__ y, const int* __restrict__ slot_pos,
                                                     const float* __restrict__ weights,
                                                     const bf16* __restrict__ shared, int top_k,
                                                     const bf16* __restrict__ residual, const bf16* __restrict__ weight,
                                                     bf16* __restrict__ out, bf16* __restrict__ residual_out,
                                                     int features, float eps) {
-    __shared__ float scratch[32];
-    __shared__ int rows_of[COMBINE_NORM_MAX_TOPK];
-    __shared__ float weight_of[COMBINE_NORM_MAX_TOPK];
     const size_t t = blockIdx.x;
-    if (threadIdx.x < top_k) {
-        rows_of[threadIdx.x] = slot_pos[t * top_k + threadIdx.x];
-        weight_of[threadIdx.x] = weights[t * top_k + threadIdx.x];
-    }
-    // what does not depend on the slots first: the residual, shared and norm-weight columns
-    float v[COMBINE_NORM_COLS], r[COMBINE_NORM_COLS], s[COMBINE_NORM_COLS], g[COMBINE_NORM_COLS];
+    const bf16* rr = residual + t * features;
+    bf16* ro = residual_out + t * features;
+    for (int c = threadIdx.x; c < features; c += blockDim.x) {
+        float rows[COMBINE_NORM_MAX_TOPK];  // every slot's value in flight before the sum (a lone block: latency)
 #pragma unroll
-    for (int i = 0; i < COMBINE_NORM_COLS; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        const bool in = c < features;
-        r[i] = in ? __bfloat162float(residual[t * features + c]) : 0.f;
-        s[i] = in && shared ? __bfloat162float(shared[t * features + c]) : 0.f;
-        g[i] = in ? __bfloat162float(weight[c]) : 0.f;
-        v[i] = 0.f;
+        for (int j = 0; j < COMBINE_NORM_MAX_TOPK; ++j)
+            if (j < top_k) rows[j] = __bfloat162float(y[(long long)slot_pos[t * top_k + j] * features + c]);
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < COMBINE_NORM_MAX_TOPK; ++j)
+            if (j < top_k) sum += weights[t * top_k + j] * rows[j];
+        if (shared) sum = round_bf16(sum) + __bfloat162float(shared[t * features + c]);
+        ro[c] = __float2bfloat16_rn(round_bf16(sum) + __bfloat162float(rr[c]));
     }
     __syncthreads();
-#pragma unroll
-    for (int j = 0; j < COMBINE_NORM_MAX_TOPK; ++j) {  // j ascending: moe_combine's sum order per column
-        if (j < top_k) {
-            const bf16* row = y + (long long)rows_of[j] * features;
-            const float w = weight_of[j];
-#pragma unroll
-            for (int i = 0; i < COMBINE_NORM_COLS; ++i) {
-                const int c = threadIdx.x + i * blockDim.x;
-                if (c < features) v[i] += w * __bfloat162float(row[c]);
-            }
-        }
-    }
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < COMBINE_NORM_COLS; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        if (c < features) {
-            float sum = v[i];
-            if (shared) sum = round_bf16(sum) + s[i];
-            v[i] = round_bf16(round_bf16(sum) + r[i]);  // residual_out
-            residual_out[t * features + c] = __float2bfloat16_rn(v[i]);
-            ss += v[i] * v[i];
-        }
-    }
-    ss = block_sum(ss, scratch);
-    const float inv = rsqrtf(ss / features + eps);
-#pragma unroll
-    for (int i = 0; i < COMBINE_NORM_COLS; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        if (c < features) out[t * features + c] = __float2bfloat16_rn(round_bf16(v[i] * inv) * g[i]);
-    }
+    normalize_row(ro, weight, out + t * features, features, eps);
 }
 
 // --- Row-per-warp variants for many rows (prefill, mixed steps) ---------------------------------

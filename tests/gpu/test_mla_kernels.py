@@ -656,66 +656,6 @@ def test_flat_combine_equals_wide(cuda_backend, rng, monkeypatch, kernel, decode
     assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=True), outs["wide"])
 
 
-@pytest.mark.parametrize("heads", [16, 20])
-@pytest.mark.parametrize("step", ["decodes", "mixed", "one"])
-def test_gather_q_equals_copy_then_write(cuda_backend, rng, monkeypatch, heads, step):
-    """$OPENINFER_MLA_GATHER_Q=1: q and the latent as row views of one fused [T, q | latent] buffer (as the kimi
-    model passes them); mla_write_latent_gather_q copies q in the latent write's launch. The same output bits and
-    the same cached latent rows as the separate copy + mla_write_latent (decodes, a mixed step with decompressed
-    prefill rows, one row: contiguous, nothing gathered), within bf16 of NumPy; eager and as a CUDA graph replay;
-    the fused buffer is left as it was; a bad value is a clear error."""
-    from openinfer.backend.cuda import mla as cuda_mla
-
-    spec = _spec(heads)
-    cached, new = {"decodes": DECODES["ragged"], "mixed": ([0, 100, 57, 3], [40, 1, 1, 30]),
-                   "one": ([700], [1])}[step]
-    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
-    fused = cuda_backend.upload(np.concatenate([q, latent], axis=1))
-    before = fused.copy()
-    width = q.shape[1]
-    prepared = cuda_backend.prepare_batch(batch)
-    args = (cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv), cuda_backend.weight(norm), spec,
-            prepared, cupy.asarray(rope.cos), cupy.asarray(rope.sin), 1e-6)
-    results = {}
-    for gather in ("0", "1"):
-        monkeypatch.setenv(cuda_mla.GATHER_Q_ENV, gather)
-        assert cuda_mla.gather_q_fits(fused[:, :width], spec) is (gather == "1" and len(new) > 1)
-        device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
-        fused[...] = before  # one row is contiguous: its rope dims are rotated in the buffer itself
-        out = cuda_mla.mla_forward(cuda_backend.blas, fused[:, :width], fused[:, width:], device_cache, *args,
-                                   prefill_min_query=16)
-        results[gather] = (out.get(), device_cache.get())
-    assert np.array_equal(results["1"][0], results["0"][0])
-    assert np.array_equal(results["1"][1], results["0"][1])
-    if len(new) > 1:  # the separate copy rotated a copy too: the fused buffer untouched either way
-        assert np.array_equal(fused.get(), before.get())
-    assert relative_error(cuda_backend.to_host(cupy.asarray(results["1"][0])), reference) < BF16_TOL
-    monkeypatch.setenv(cuda_mla.GATHER_Q_ENV, "1")
-    stream = cupy.cuda.Stream(non_blocking=True)
-    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
-    with stream:
-        fused_in = before.copy()
-        cuda_mla.mla_forward(cuda_backend.blas, fused_in[:, :width], fused_in[:, width:], device_cache, *args,
-                             prefill_min_query=16)
-        stream.synchronize()
-        fused_in[...] = before
-        mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
-        stream.begin_capture() if mode is None else stream.begin_capture(mode)
-        try:
-            captured = cuda_mla.mla_forward(cuda_backend.blas, fused_in[:, :width], fused_in[:, width:], device_cache,
-                                            *args, prefill_min_query=16)
-        finally:
-            graph = stream.end_capture()
-        fused_in[...] = before
-        captured[...] = 0
-        graph.launch(stream)
-        stream.synchronize()
-    assert np.array_equal(captured.get(), results["1"][0])
-    monkeypatch.setenv(cuda_mla.GATHER_Q_ENV, "on")
-    with pytest.raises(ValueError, match="OPENINFER_MLA_GATHER_Q"):
-        cuda_mla.gather_q_fits(fused[:, :width], spec)
-
-
 @pytest.mark.parametrize("decodes", ["ragged", "one-long", "sixteen", "sixty-four", "chunks"])
 @pytest.mark.parametrize("chain", ["cublas", "fused"])
 def test_pdl_early_tiles_bit_equal_to_plain_launches(cuda_backend, rng, monkeypatch, decodes, chain):
@@ -952,6 +892,10 @@ def test_tma_staged_queries_bit_equal(cuda_backend, rng, monkeypatch, heads, ste
     if not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
     _set_tma_tile(monkeypatch, tile)
+    # the staged rows' 18.7 KB can leave a 16x5 ring one block per SM: the resident split count (and its balance)
+    # would change with it; the same 8 even splits either way
+    monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, "8")
+    monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, "0")
     monkeypatch.setenv(cuda_mla.FUSED_WRITE_ENV, write)
     monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, "1")
     spec = _spec(heads)

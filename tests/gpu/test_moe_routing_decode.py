@@ -61,6 +61,7 @@ def test_route_before_shared_equals_inline(cuda_backend, rng, monkeypatch, token
     def step():
         return moe.moe_forward(cuda_backend, x, layer, shared_experts=shared_experts)
 
+    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "0")  # one routing path for every order (the ordering is under test)
     monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "0")
     inline = cuda_backend.to_host(step())
     monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "1")
@@ -80,11 +81,12 @@ def test_route_before_shared_switch(monkeypatch):
     monkeypatch.delenv(moe.SHARED_OVERLAP_ENV, raising=False)
     monkeypatch.delenv(moe.ROUTE_BEFORE_SHARED_ENV, raising=False)
     assert moe.route_before_shared(1) == moe.DEFAULT_ROUTE_BEFORE_SHARED
+    assert moe.route_before_shared(1, one_launch=True)  # unset: on before moe_route_decode
     monkeypatch.setenv(moe.ROUTE_BEFORE_SHARED_ENV, "1")
     assert moe.route_before_shared(1) and not moe.route_before_shared(0)
     assert not moe.route_before_shared(moe.SHARED_OVERLAP_MAX_TOKENS + 1)
     monkeypatch.setenv(moe.ROUTE_BEFORE_SHARED_ENV, "0")
-    assert not moe.route_before_shared(1)
+    assert not moe.route_before_shared(1) and not moe.route_before_shared(1, one_launch=True)
     monkeypatch.setenv(moe.ROUTE_BEFORE_SHARED_ENV, "early")
     with pytest.raises(ValueError, match="must be 1 or 0"):
         moe.route_before_shared(1)
@@ -179,6 +181,18 @@ def test_route_decode_wanted_bounds(cuda_backend, rng, monkeypatch):
     spec = RouterSpec(64, 6, "sigmoid")
     monkeypatch.delenv(moe.ROUTE_DECODE_ENV, raising=False)
     assert moe.route_decode_wanted(x, layer(spec)) == moe.DEFAULT_ROUTE_DECODE
+    assert not moe.route_decode_wanted(x, layer(spec), beside_shared=True)  # unset: not beside the shared GEMV
+    many = cupy.zeros((moe.ROUTE_DECODE_DEFAULT_MAX_WORK // 64 + 1, 256), cupy.uint16)
+    assert not moe.route_decode_wanted(many, layer(spec))  # unset: up to ROUTE_DECODE_DEFAULT_MAX_WORK
+    softmax = RouterSpec(64, 6, "softmax")  # unset: softmax routers at one token only (moe_route's sum order above)
+    assert moe.route_decode_wanted(x[:1], layer(softmax)) and not moe.route_decode_wanted(x, layer(softmax))
+    monkeypatch.setenv(moe.ROUTER_FUSED_ENV, "1")
+    assert not moe.route_decode_wanted(x, layer(spec))  # unset: a decode router asked for by name runs
+    monkeypatch.delenv(moe.ROUTER_FUSED_ENV)
+    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "0")
+    assert not moe.route_decode_wanted(x, layer(spec))
+    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
+    assert moe.route_decode_wanted(many, layer(spec)) and moe.route_decode_wanted(x, layer(spec), beside_shared=True)
     monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
     assert moe.route_decode_wanted(x, layer(spec)) and moe.route_decode_wanted(x, layer(spec, shared=2))
     assert not moe.route_decode_wanted(x, layer(RouterSpec(64, 6, "sigmoid", num_groups=8, topk_groups=3)))
@@ -219,3 +233,43 @@ def test_route_decode_gate_in_shared_memory(cuda_backend, rng, monkeypatch, toke
     monkeypatch.setenv(moe.ROUTE_DECODE_GATE_ENV, "texture")
     with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_DECODE_GATE"):
         moe.route_and_group(x, layer)
+
+
+def test_route_decode_layer_ticket(cuda_backend, rng, monkeypatch):
+    """OPENINFER_MOE_ROUTE_DECODE_TICKET=kernel (the per-call counter zeroed by a kernel node) and =layer (the layer's
+    own counter, made once outside capture, back at zero after every call): moe_forward gives the bits of a memset
+    counter per call, eagerly and over graph replays; a bad value is a clear error."""
+    from openinfer.backend.cuda import moe
+    from openinfer.moe import RouterSpec
+
+    hidden, inter, experts, shared = 512, 64, 64, 2
+    weights = {name: cuda_backend.weight(bf16_random(rng, experts + shared, rows, cols, scale=0.05))
+               for name, rows, cols in (("gate_up", 2 * inter, hidden), ("down", hidden, inter))}
+    layer = moe.DeviceMoE(RouterSpec(experts, 6, "sigmoid", routed_scaling_factor=2.446),
+                          cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1)),
+                          cupy.asarray((0.1 * rng.standard_normal(experts)).astype(np.float32)),
+                          moe.ExpertLinear("bf16", weights["gate_up"], None, 2 * inter, hidden),
+                          moe.ExpertLinear("bf16", weights["down"], None, hidden, inter), shared_experts=shared)
+    x = cuda_backend.upload(bf16_random(rng, 16, hidden))
+
+    def step():
+        return moe.moe_forward(cuda_backend, x, layer)
+
+    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
+    monkeypatch.setenv(moe.ROUTE_DECODE_TICKET_ENV, "call")
+    want = cuda_backend.to_host(step())
+    monkeypatch.setenv(moe.ROUTE_DECODE_TICKET_ENV, "kernel")  # the per-call counter zeroed by a kernel node
+    assert np.array_equal(cuda_backend.to_host(step()), want)
+    assert all(np.array_equal(replay, want) for replay in _capture_replay(step, cuda_backend.to_host))
+    monkeypatch.setenv(moe.ROUTE_DECODE_TICKET_ENV, "layer")
+    ticket = moe.route_decode_ticket(layer)
+    assert ticket is moe.route_decode_ticket(layer) and int(ticket.get()[0]) == 0
+    for _ in range(3):
+        assert np.array_equal(cuda_backend.to_host(step()), want)
+        assert int(ticket.get()[0]) == 0
+    for replay in _capture_replay(step, cuda_backend.to_host, replays=3):
+        assert np.array_equal(replay, want)
+    assert int(ticket.get()[0]) == 0
+    monkeypatch.setenv(moe.ROUTE_DECODE_TICKET_ENV, "global")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_DECODE_TICKET"):
+        moe.route_decode_ticket(layer)

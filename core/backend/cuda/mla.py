@@ -100,20 +100,16 @@ SPREAD_ROPE_ENV = "OPENINFER_MLA_SPREAD_ROPE"
 # s8 E1 (H200): its first form (scalar W_UK loads, 8 in flight) took 12.3 us at batch 1 where the two launches take
 # 7.7 (3.8 + 3.9): each thread now loads its W_UK rows as 16-byte vectors, all in flight at once.
 WRITE_ABSORB_ENV = "OPENINFER_MLA_WRITE_ABSORB"
-# Opt-in until measured: $OPENINFER_MLA_GATHER_Q=1: where q arrives as a row view of the fused q / kv_a projection
-# (several rows: not contiguous), mla_write_latent_gather_q copies it into a contiguous buffer with its rope dims
-# rotated, in the latent write's launch, instead of a separate copy (cupy.ascontiguousarray) before it: one launch
-# a layer fewer in decode steps of 2+ rows. The same values. Off: with OPENINFER_MOE_COMBINE_NORM (H200, s11 D2)
-# the Moonlight decode steps were not faster (b16 8.079 vs 8.035 ms; the ledger's eager attention op 1.135 -> 1.096 ms).
-GATHER_Q_ENV = "OPENINFER_MLA_GATHER_Q"
-DEFAULT_GATHER_Q = False
-# Opt-in until a device A/B: $OPENINFER_MLA_Q_VIEW=1 leaves q where the projection wrote it (Moonlight: a row view
-# of the fused q / kv_a output) in absorbed steps: the latent write stores every head's rotated q_pe into a small
-# [T, H, rope] buffer of its own (mla_write_latent_q_pe), W_UK reads q's nope dims through its row stride, and the
-# attention kernels read that q_pe buffer (q_stride rope, offset 0). No copy of q (s12 D2b trace: a
-# cupy_copy__uint16_uint16 of 1.5 us a layer at Moonlight b16) and no in-place rotation: the same values, the same bits.
+# Default since s13 D3: $OPENINFER_MLA_Q_VIEW (1) leaves q where the projection wrote it (Moonlight: a row view of the
+# fused q / kv_a output) in absorbed steps: the latent write stores every head's rotated q_pe into a small [T, H, rope]
+# buffer of its own (mla_write_latent_q_pe), W_UK reads q's nope dims through its row stride, and the attention kernels
+# read that q_pe buffer (q_stride rope, offset 0). No copy of q (a cupy_copy__uint16_uint16 of 1.5 / 2.2 us a layer at
+# Moonlight b16 / b64) and no in-place rotation: the same values, the same bits (logits equal in every A/B). H200,
+# Moonlight decode graphs, gpu_step_timeline.py, b16 / b64 step vs the copy: s13 early D1 1.007 / 1.007x
+# (timeline_moonlight_mla13_d1.json), D3 1.010 / 1.009x (timeline_moonlight_mla13_d3.json; b1 within noise: one row
+# needs no copy). =0: the copy.
 Q_VIEW_ENV = "OPENINFER_MLA_Q_VIEW"
-DEFAULT_Q_VIEW = False
+DEFAULT_Q_VIEW = True
 # Opt-in until a device A/B: $OPENINFER_MLA_FUSED_WRITE=1 folds mla_write_latent into mla_attention_tma in steps of
 # one new token per sequence (decode steps and their graphs): the split that holds a token's own position computes
 # its latent row (the write kernel's sums), head block 0 stores it, the tile holding that position takes it from
@@ -126,6 +122,7 @@ DEFAULT_Q_VIEW = False
 # mla_write_latent_q_pe first.
 FUSED_WRITE_ENV = "OPENINFER_MLA_FUSED_WRITE"
 DEFAULT_FUSED_WRITE = False
+FUSED_WRITE_MIN_ROWS = 1  # the default's fewest rows (the switch set to 1 takes every decode step)
 WRITE_ABSORB_MAX_TOKENS = 16  # mla.cu ABSORB_MAX_TOKENS (each thread's accumulators: 16 rows x 8 columns)
 WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
 # Opt-in until a device A/B: $OPENINFER_MLA_ABSORB_SMALL=1 runs W_UK as mla_absorb_small (mla_write_absorb's blocks
@@ -150,7 +147,7 @@ EXPAND_SMALL_MAX_TOKENS, EXPAND_SMALL_COLUMNS, EXPAND_SMALL_THREADS = 64, 16, 12
 # The same kernels and sums: bit-equal (GPU-tested).
 # s12 D1 (H200, benchmarks/gpu_step_timeline.py, results/timeline_moonlight_moon13_d1_h200.json: Moonlight decode graphs
 # re-captured in one process, b1 / b16 / b64 step vs the defaults, 2 rounds; noise ~1 %): MLA_PDL 0.990 / 1.000 / 1.006x,
-# EXPAND_SMALL 0.963 / 0.999 / 0.984x, PDL + WRITE_ABSORB + EXPAND_SMALL 0.997 / 0.947 / 0.974x, PDL + GATHER_Q +
+# EXPAND_SMALL 0.963 / 0.999 / 0.984x, PDL + WRITE_ABSORB + EXPAND_SMALL 0.997 / 0.947 / 0.974x, PDL + GATHER_Q (since deleted) +
 # EXPAND_SMALL 0.987 / 0.999 / 0.965x, TMA_CLUSTER=8 0.970 / 1.009 / 0.956x, =16 0.984 / 0.974 / 0.955x, MAX_SPLITS=8
 # 0.933 / 1.004 / 0.994x, =4 0.844 / 0.985 / 0.998x: all stay off. The CUPTI timeline of the b16 graph: attention 16.6,
 # write_latent 4.0, W_UK 3.3, combine 3.6, W_UV 3.3 us a layer, ~0.1 us between kernels.
@@ -428,11 +425,8 @@ def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy
         o_latent = absorbed_attention(q_latent, q_pe, cache, spec, batch, None, num_sms, absorbed_kernel, q_pe_only=True)
         expand_values(blas, o_latent, w_uv, spec, out)
         return out
-    if gather_q_fits(q, spec):
-        q = write_latent_gather_q(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
-    else:
-        q = cupy.ascontiguousarray(q)  # its rope dims are rotated in place: callers pass a buffer they own
-        write_latent(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
+    q = cupy.ascontiguousarray(q)  # its rope dims are rotated in place: callers pass a buffer they own
+    write_latent(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
     if plan is None:
         _absorbed(blas, q, cache, w_uk, w_uv, spec, batch, out, None, num_sms, absorbed_kernel)
         return out
@@ -503,32 +497,6 @@ def write_latent(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_
         np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), batch.positions, batch.slot_mapping, cos, sin, cache))
 
 
-def gather_q_fits(q: cupy.ndarray, spec: MLASpec) -> bool:
-    """Whether ``mla_forward`` gathers ``q`` in the latent write (``write_latent_gather_q``): $OPENINFER_MLA_GATHER_Q
-    1 / 0 (unset: DEFAULT_GATHER_Q; another value: a clear error) and ``q`` a row view (not contiguous, unit column
-    stride)."""
-    text = os.environ.get(GATHER_Q_ENV) or str(int(DEFAULT_GATHER_Q))
-    if text not in ("0", "1"):
-        raise ValueError(f"{GATHER_Q_ENV} is 0 or 1; got {text!r}")
-    return (text == "1" and q.ndim == 2 and not q.flags.c_contiguous and q.strides[1] == q.itemsize
-            and q.strides[0] % q.itemsize == 0 and q.shape[1] == spec.num_heads * spec.qk_head_dim)
-
-
-def write_latent_gather_q(q_rows: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_a_norm: cupy.ndarray,
-                          spec: MLASpec, batch, cos: cupy.ndarray, sin: cupy.ndarray, eps: float) -> cupy.ndarray:
-    """``write_latent`` of ``q_rows`` copied first (``q = ascontiguousarray(q_rows)``) in one launch
-    (mla_write_latent_gather_q): the latent rows stored, and the contiguous q with its rope dims rotated returned."""
-    heads = spec.num_heads
-    q = cupy.empty(q_rows.shape, dtype=cupy.uint16)
-    spread = os.environ.get(SPREAD_ROPE_ENV, "1") not in ("0", "false", "off")
-    rope_blocks = -(-heads * spec.qk_rope_dim // 2 // 128) if spread else 1
-    kernel("mla.cu", "mla_write_latent_gather_q", **_decode_defines(spec))((int(q.shape[0]), rope_blocks), (128,), (
-        latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q_rows, np.int32(q_rows.strides[0] // 2),
-        q, np.int32(heads), np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), batch.positions,
-        batch.slot_mapping, cos, sin, cache))
-    return q
-
-
 @dataclass(frozen=True)
 class LatentWrite:
     """The latent write an attention kernel does itself (``fused_write_fits``): the step's un-normed latent rows (a
@@ -546,11 +514,13 @@ def fused_write_fits(q: cupy.ndarray, spec: MLASpec, batch) -> bool:
     ($OPENINFER_MLA_FUSED_WRITE 1 / 0, unset: DEFAULT_FUSED_WRITE; another value: a clear error): one new token per
     sequence (rows == sequences: decode steps and their graphs) and q in rows of unit column stride (read in place,
     as $OPENINFER_MLA_Q_VIEW). Kernels other than mla_attention_tma take the q_pe write (``attend_splits``)."""
-    text = os.environ.get(FUSED_WRITE_ENV) or str(int(DEFAULT_FUSED_WRITE))
-    if text not in ("0", "1"):
+    text = os.environ.get(FUSED_WRITE_ENV)
+    if text not in (None, "", "0", "1"):
         raise ValueError(f"{FUSED_WRITE_ENV} is 0 or 1; got {text!r}")
-    return (text == "1" and q.ndim == 2 and q.strides[1] == q.itemsize and q.strides[0] % q.itemsize == 0
-            and q.shape[1] == spec.num_heads * spec.qk_head_dim and int(q.shape[0]) == int(batch.num_seqs))
+    rows = int(q.shape[0])
+    wanted = text == "1" if text else DEFAULT_FUSED_WRITE and rows >= FUSED_WRITE_MIN_ROWS  # unset: the default's rows
+    return (wanted and q.ndim == 2 and q.strides[1] == q.itemsize and q.strides[0] % q.itemsize == 0
+            and q.shape[1] == spec.num_heads * spec.qk_head_dim and rows == int(batch.num_seqs))
 
 
 def q_view_fits(q: cupy.ndarray, spec: MLASpec) -> bool:
@@ -800,7 +770,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         keys = shared_keys(num_tokens)
         splits = resident_splits(num_tokens, head_chunks, num_sms, 2 if keys == 32 else 1)
     elif name == "tma":
-        blocks_per_sm = mla_decode_sm90.tma_blocks_per_sm_of(spec)
+        blocks_per_sm = mla_decode_sm90.tma_blocks_per_sm_of(spec, latent_write is not None)
         splits = resident_splits(num_tokens, head_chunks, num_sms, blocks_per_sm)
         cluster = mla_decode_sm90.tma_cluster(spec, splits, num_tokens)
         balance_slots = 0
@@ -809,7 +779,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         elif mla_decode_sm90.tma_balance():
             splits = max(splits, mla_decode_sm90.BALANCE_MIN_SPLITS)
             balance_slots = max(1, blocks_per_sm * num_sms // head_chunks)
-        staged_q = mla_decode_sm90.q_tile() and mla_decode_sm90.q_tile_fits(spec, q, *q_layout)
+        staged_q = mla_decode_sm90.q_tile(latent_write is not None) and mla_decode_sm90.q_tile_fits(spec, q, *q_layout)
         tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, pdl() and cluster == 1,
                                                                     latent_write is not None, staged_q)
     else:

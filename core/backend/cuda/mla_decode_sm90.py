@@ -129,16 +129,23 @@ def tma_decode_smem(spec: MLASpec, keys: int, stages: int, one_barrier: bool = F
 # not 36 scattered 4-byte global loads a thread (~37 MB of L2 sectors a Moonlight b16 layer: 256 CTAs x 4,608
 # loads). 18.7 KB more shared memory a block (still 2 a SM). The same fragments, the same bits. Where q's rows are
 # not 16-byte aligned the plain loads run.
+# s13 D3 (H200, Moonlight step b1 / b16 / b64): alone 0.958 / 0.985 / 0.990x (the staging's barrier costs more than the
+# scattered loads), with the fused write 1.005 / 1.012x where the fused write alone gave 0.998 / 0.996x (there it
+# replaces per-element rope loads): DEFAULT_Q_TILE_WITH_WRITE says whether the fused write's kernels stage them.
 Q_TILE_ENV = "OPENINFER_MLA_TMA_Q_TILE"
 DEFAULT_Q_TILE = False
+DEFAULT_Q_TILE_WITH_WRITE = True
 
 
-def q_tile() -> bool:
-    """$OPENINFER_MLA_TMA_Q_TILE (0 / 1; unset: DEFAULT_Q_TILE; another value: a clear error)."""
-    text = os.environ.get(Q_TILE_ENV) or str(int(DEFAULT_Q_TILE))
-    if text not in ("0", "1"):
+def q_tile(write: bool = False) -> bool:
+    """$OPENINFER_MLA_TMA_Q_TILE (0 / 1; another value: a clear error); unset: DEFAULT_Q_TILE, or with the fused latent
+    write (``write``) DEFAULT_Q_TILE_WITH_WRITE."""
+    text = os.environ.get(Q_TILE_ENV)
+    if text not in (None, "", "0", "1"):
         raise ValueError(f"{Q_TILE_ENV} is 0 or 1; got {text!r}")
-    return text == "1"
+    if text:
+        return text == "1"
+    return DEFAULT_Q_TILE_WITH_WRITE if write else DEFAULT_Q_TILE
 
 
 def q_tile_fits(spec: MLASpec, q: cupy.ndarray, q_stride: int, q_pe_offset: int) -> bool:
@@ -201,9 +208,9 @@ def cache_map(cache: cupy.ndarray, row_boxes: bool = False) -> np.ndarray:
     return found
 
 
-def tma_blocks_per_sm_of(spec: MLASpec) -> int:
-    """Resident blocks per SM of the current tile choice."""
-    return tma_blocks_per_sm(tma_decode_smem(spec, *tma_tile(), tma_one_barrier(), q_tile()))
+def tma_blocks_per_sm_of(spec: MLASpec, write: bool = False) -> int:
+    """Resident blocks per SM of the current tile choice (``write``: for the fused latent write's build)."""
+    return tma_blocks_per_sm(tma_decode_smem(spec, *tma_tile(), tma_one_barrier(), q_tile(write)))
 
 
 # Opt-in, not measured at model level ($OPENINFER_MLA_PDL_EARLY_TILES=1, with $OPENINFER_MLA_PDL; s12 D1 measured the

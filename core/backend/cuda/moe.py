@@ -58,6 +58,7 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     CHUNK_SLOTS,
     CHUNK_THREADS,
     DEFAULT_ROUTE_DECODE,
+    DEFAULT_ROUTE_DECODE_BESIDE_SHARED,
     DEFAULT_ROUTE_DECODE_GATE,
     DEFAULT_ROUTE_NORM,
     DEFAULT_ROUTER_BLOCKS,
@@ -71,12 +72,14 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     MAX_EXPERTS,
     MAX_TOPK,
     NULL,
-    ROUTE_DECODE_DEFAULT_MAX_TOKENS,
+    ROUTE_DECODE_DEFAULT_MAX_WORK,
     ROUTE_DECODE_ENV,
     ROUTE_DECODE_GATE_ENV,
     ROUTE_DECODE_GATES,
     ROUTE_DECODE_MAX_HIDDEN,
     ROUTE_DECODE_MAX_TOKENS,
+    ROUTE_DECODE_TICKET_ENV,
+    ROUTE_DECODE_TICKETS,
     ROUTE_DECODE_WARPS_ENV,
     ROUTE_NORM_ENV,
     ROUTE_NORM_MAX_EXPERTS,
@@ -114,6 +117,7 @@ from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing nam
     route_decode,
     route_decode_gate_bytes,
     route_decode_shape,
+    route_decode_ticket,
     route_decode_wanted,
     route_norm_wanted,
     route_sort_wanted,
@@ -892,9 +896,9 @@ def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarra
 # graphs, so off: Moonlight decode ledger (H200, s11 D2) b1 / b16 / b64 2.757 / 8.035 / 9.857 ms off vs 2.809 / 8.079 /
 # 9.891 with this and OPENINFER_MLA_GATHER_Q (a graph's launches are cheap; a block per token does the combine's
 # loads serially where moe_combine spreads them over more blocks).
-# s13: the kernel rewritten (each thread's columns in registers, the slots' loads issued together; the same bits): D2
-# (H200, benchmarks/gpu_moe_grouped.py norms, graphs) 4.52 vs 4.73 us apart at 16 tokens, 4.62 vs 5.30 at 64; the
-# Moonlight step b1 / b16 / b64 0.978 / 0.996 / 0.994x (gpu_step_timeline.py, two rounds, within noise): still off.
+# s13 (H200, gpu_step_timeline.py, one process, two rounds): Moonlight b16 / b64 0.995 / 0.992x, still off; a rewrite
+# holding each thread's columns in registers (same bits) measured the same (0.996 / 0.994x; the kernel alone 4.52 vs
+# 4.73 us apart at 16 tokens, benchmarks/gpu_moe_grouped.py norms) and was not kept.
 COMBINE_NORM_ENV = "OPENINFER_MOE_COMBINE_NORM"
 COMBINE_NORM_MAX_TOKENS = 128
 DEFAULT_COMBINE_NORM = False
@@ -921,8 +925,7 @@ def combine_add_rms_norm(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared
     out, residual_out = cupy.empty_like(residual), cupy.empty_like(residual)
     if num_tokens:
         threads = min(1024, max(32, -(-hidden // 64) * 32))  # the block add_rms_norm's (its sum order)
-        columns = -(-hidden // threads)  # each thread's columns, held in registers
-        kernel("rms_norm.cu", "moe_combine_add_rms_norm", COMBINE_NORM_COLS=columns)((num_tokens,), (threads,), (
+        kernel("rms_norm.cu", "moe_combine_add_rms_norm")((num_tokens,), (threads,), (
             y, grouping.slot_pos, grouping.weights, NULL if shared is None else shared, np.int32(grouping.top_k),
             residual, weight, out, residual_out, np.int32(hidden), np.float32(eps)))
     return out, residual_out
@@ -1211,11 +1214,12 @@ ROUTE_BEFORE_SHARED_ENV = "OPENINFER_MOE_ROUTE_BEFORE_SHARED"
 DEFAULT_ROUTE_BEFORE_SHARED = False
 
 
-def route_before_shared(tokens: int) -> bool:
+def route_before_shared(tokens: int, one_launch: bool = False) -> bool:
     """Whether moe_forward launches the routing before the shared experts' side stream (see
-    ROUTE_BEFORE_SHARED_ENV): the switch (1 / 0, unset: the default; another value: a clear error) where the step
-    overlaps the shared experts at all."""
-    return (_switch(ROUTE_BEFORE_SHARED_ENV, default=DEFAULT_ROUTE_BEFORE_SHARED) and 0 < tokens
+    ROUTE_BEFORE_SHARED_ENV): the switch (1 / 0; another value: a clear error; unset: the default, or on where the
+    routing is ``one_launch``, moe_route_decode, whose ~145-register blocks would wait for the GEMV's to leave room)
+    where the step overlaps the shared experts at all."""
+    return (_switch(ROUTE_BEFORE_SHARED_ENV, default=DEFAULT_ROUTE_BEFORE_SHARED or one_launch) and 0 < tokens
             and shared_overlap(tokens))
 
 
@@ -1238,11 +1242,11 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
         raise ValueError("this MoE layer's shared experts are fused into its expert stacks (fuse_shared_experts): "
                          "pass neither shared nor shared_experts")
     # moe_route_decode's ticket zeroed before the side stream's fork point (see route_decode)
-    decode = route_decode_wanted(x, layer)
-    ticket = cupy.zeros(1, cupy.uint32) if decode else None
+    decode = route_decode_wanted(x, layer, beside_shared=shared_experts is not None and shared_overlap(int(x.shape[0])))
+    ticket = route_decode_ticket(layer) if decode else None
     route_first = shared_experts is not None and shared_after_route(int(x.shape[0]))
     # ROUTE_BEFORE_SHARED_ENV: the fork point here, the shared experts launched after the routing
-    forked = shared_experts is not None and not route_first and route_before_shared(int(x.shape[0]))
+    forked = shared_experts is not None and not route_first and route_before_shared(int(x.shape[0]), decode)
     if forked:
         fork_shared_experts()
     elif not route_first:

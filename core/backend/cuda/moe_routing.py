@@ -80,14 +80,20 @@ DEFAULT_ROUTER_BLOCKS, DEFAULT_ROUTER_FUSED = False, False
 # can start beside the shared experts' GEMV blocks (s12 D2 timeline at b1: the 512-thread block waited ~6 us for
 # an SM with room, then ran 15-19 us; alone 14 us). The same ids, weights and layout.
 ROUTE_SORT_WARP_ENV, ROUTE_SORT_WARP_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT_WARP", 2
-# OPENINFER_MOE_ROUTE_DECODE=1 (opt-in until measured): ``route_and_group`` of a decode step (1..ROUTE_DECODE_MAX_TOKENS
-# tokens, a router without expert groups, no hash routing) in one launch, moe_routing.cu's moe_route_decode: the router
-# logits by a warp per (expert, token group) with the warp's router row loaded whole up front (the logits bits of
-# moe_router_logits), then the last block's top-k (two warp reductions a pick: warp_route_token's ids and weights) and
-# grouping (one warp scans the experts: moe_route_sort's layout). Three kernels (Moonlight at 16 tokens: logits 3.3 +
-# moe_route 5.4 + moe_sort_parallel 3.5 us, s12 D2b) or two (1 token: logits + moe_route_sort 9.1 us; Kimi-K2: 18.9 +
-# 13.9 beside the shared GEMV) become one, plus the ticket counter's memset node (zeroed per call: nothing shared
-# across streams or graphs; the last block also puts it back to zero).
+# OPENINFER_MOE_ROUTE_DECODE (=1 / =0; unset: the default below): ``route_and_group`` of a decode step
+# (1..ROUTE_DECODE_MAX_TOKENS tokens, a router without expert groups, no hash routing) in one launch, moe_routing.cu's
+# moe_route_decode: the router logits by a warp per (expert, token group) with the warp's router row loaded whole up
+# front (the logits bits of moe_router_logits), then the last block's top-k (two warp reductions a pick:
+# warp_route_token's ids and weights) and grouping (one warp scans the experts: moe_route_sort's layout), plus the ticket
+# counter's memset node (zeroed per call: nothing shared across streams or graphs; the last block also puts it back).
+# D3 of 2026-11-25 (H200, RESULTS/D3/route13: moe_routing_route13_d3.json, timeline_moonlight_route13_d3.json; the same
+# ids / weights / layout, logits equal): routing alone (graphs of back-to-back calls) Moonlight 10.8 -> 7.2 / 10.7 ->
+# 8.9 / 11.2 -> 10.4 us at 1 / 4 / 16 tokens, behind at 64 (12.4 vs 17.7); Kimi-K2 15.2 -> 11.2 / 16.0 -> 14.4 at 1 / 4,
+# behind at 16 (22.0 vs 31.5) and 64 (45.7 vs 101.6): on while tokens x experts <= ROUTE_DECODE_DEFAULT_MAX_WORK.
+# Moonlight's decode step: b1 / b16 / b64 2.806 -> 2.626 / 8.041 -> 7.818 / 9.815 -> 9.766 ms (1.069 / 1.028 / 1.005x).
+# Unset, it is on by default only where no shared experts run beside the routing on the side stream (Moonlight's are
+# fused): beside the shared GEMV (Kimi-K2) it is not measured yet, so there =1 (with OPENINFER_MOE_ROUTE_BEFORE_SHARED=1:
+# its ~145-register blocks take the SMs before the GEMV's) asks for it.
 # OPENINFER_MOE_ROUTE_DECODE_WARPS (4 or 8; unset: 4 up to 4 tokens, else 8): warps a block, the top-k's parallelism.
 # OPENINFER_MOE_ROUTE_DECODE_GATE (registers / shared; unset: DEFAULT_ROUTE_DECODE_GATE): where a warp holds its router
 # row: ~145 registers a thread at Kimi-K2's hidden of 7168, or copied into dynamic shared memory by cp.async (77): a
@@ -96,10 +102,17 @@ ROUTE_SORT_WARP_ENV, ROUTE_SORT_WARP_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT_WARP
 ROUTE_DECODE_ENV, ROUTE_DECODE_WARPS_ENV = "OPENINFER_MOE_ROUTE_DECODE", "OPENINFER_MOE_ROUTE_DECODE_WARPS"
 ROUTE_DECODE_GATE_ENV, ROUTE_DECODE_GATES, DEFAULT_ROUTE_DECODE_GATE = (
     "OPENINFER_MOE_ROUTE_DECODE_GATE", ("registers", "shared"), "registers")
+# OPENINFER_MOE_ROUTE_DECODE_TICKET (opt-in until measured; unset / =call: a counter per call zeroed by a memset node):
+# =kernel zeroes the per-call counter by a one-thread kernel node (a memset node may run on a copy engine: D3's
+# Moonlight trace shows ~6 us of gap before each moe_route_decode); =layer: each layer keeps one counter of its own,
+# zeroed once outside graph capture and put back to zero by the kernel's last block, so no node runs before the router.
+# Safe while one layer's routing never runs twice at once (one stream a model, as the engine runs).
+ROUTE_DECODE_TICKET_ENV, ROUTE_DECODE_TICKETS = "OPENINFER_MOE_ROUTE_DECODE_TICKET", ("call", "kernel", "layer")
 ROUTE_DECODE_MAX_TOKENS, ROUTE_DECODE_MAX_HIDDEN = 64, 8192  # moe_route_decode: ≤ 32 16-byte chunks a lane
 ROUTE_DECODE_X_BYTES = 44 * 1024  # moe_route_decode's staged x rows (static shared memory)
-DEFAULT_ROUTE_DECODE = False
-ROUTE_DECODE_DEFAULT_MAX_TOKENS = 64  # the switch unset (with DEFAULT_ROUTE_DECODE): steps of at most this many tokens
+DEFAULT_ROUTE_DECODE = True
+DEFAULT_ROUTE_DECODE_BESIDE_SHARED = False  # unset: also where shared experts run on the side stream meanwhile
+ROUTE_DECODE_DEFAULT_MAX_WORK = 2048  # the switch unset: steps of at most this many tokens x routed experts
 GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
 GROUPING_METHODS = ("single", "blocks", "chunks")
@@ -199,24 +212,56 @@ def router_fused_wanted(x: cupy.ndarray, gate: cupy.ndarray) -> bool:
             and int(x.shape[1]) % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0)
 
 
-def route_decode_wanted(x: cupy.ndarray, layer: DeviceMoE) -> bool:
-    """Whether ``route_and_group`` runs as moe_route_decode (see ROUTE_DECODE_ENV): the switch (1 / 0, unset: the
-    default up to ROUTE_DECODE_DEFAULT_MAX_TOKENS tokens; another value: a clear error) and the kernel's needs:
-    1..ROUTE_DECODE_MAX_TOKENS tokens, a router
-    without expert groups, no hash routing, rows of whole 16-byte pieces (aligned) up to ROUTE_DECODE_MAX_HIDDEN,
-    the experts, slots and picks within its shared arrays and one warp."""
+def route_decode_wanted(x: cupy.ndarray, layer: DeviceMoE, beside_shared: bool = False) -> bool:
+    """Whether ``route_and_group`` runs as moe_route_decode (see ROUTE_DECODE_ENV): the switch (1 / 0; another value:
+    a clear error; unset: DEFAULT_ROUTE_DECODE for steps of at most ROUTE_DECODE_DEFAULT_MAX_WORK tokens x experts,
+    not ``beside_shared`` (shared experts running on the side stream meanwhile), softmax routers at one token only:
+    the weights of the routing it replaces, bit for bit) and the kernel's needs:
+    1..ROUTE_DECODE_MAX_TOKENS tokens, a router without expert groups, no hash routing, rows of whole 16-byte pieces
+    (aligned) up to ROUTE_DECODE_MAX_HIDDEN, the experts, slots and picks within its shared arrays and one warp."""
     spec, shared = layer.router, layer.shared_experts
     tokens, hidden = int(x.shape[0]), int(x.shape[1])
-    unset = os.environ.get(ROUTE_DECODE_ENV, "") == ""
-    if unset and (_switch(ROUTER_FUSED_ENV) or _switch(ROUTER_BLOCKS_ENV)):
-        return False  # unset, the other decode routers asked for by name run (their own logits order)
-    most = ROUTE_DECODE_DEFAULT_MAX_TOKENS if unset else ROUTE_DECODE_MAX_TOKENS
-    return (_switch(ROUTE_DECODE_ENV, default=DEFAULT_ROUTE_DECODE) and 0 < tokens <= most
+    if os.environ.get(ROUTE_DECODE_ENV, "") == "":
+        if (_switch(ROUTER_FUSED_ENV) or _switch(ROUTER_BLOCKS_ENV) or not DEFAULT_ROUTE_DECODE
+                or (beside_shared and not DEFAULT_ROUTE_DECODE_BESIDE_SHARED)
+                or tokens * spec.num_experts > ROUTE_DECODE_DEFAULT_MAX_WORK
+                or (spec.scoring == "softmax" and tokens > 1)):
+            # (the other decode routers asked for by name keep their own logits order; a softmax router's weights
+            # from moe_route, the default above one token, sum the softmax in its block's order, not a warp's)
+            return False
+    elif not _switch(ROUTE_DECODE_ENV):
+        return False
+    return (0 < tokens <= ROUTE_DECODE_MAX_TOKENS
             and layer.tid2eid is None and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups)
             and hidden % 8 == 0 and hidden <= ROUTE_DECODE_MAX_HIDDEN and x.data.ptr % 16 == 0
             and layer.gate.data.ptr % 16 == 0 and spec.top_k <= spec.num_experts
             and spec.num_experts + shared <= MAX_EXPERTS and spec.top_k + shared <= 32
             and tokens * (spec.top_k + shared) * 4 <= ROUTE_DECODE_X_BYTES)
+
+
+_layer_tickets: dict[tuple[int, int], cupy.ndarray] = {}  # (device, router weight address) -> its counter
+
+
+def route_decode_ticket(layer: DeviceMoE) -> cupy.ndarray:
+    """moe_route_decode's counter for a call on ``layer``, zero when the kernel starts: a fresh zeroed uint32 (a memset
+    node in a graph; OPENINFER_MOE_ROUTE_DECODE_TICKET=kernel: zeroed by a kernel node), or with =layer the layer's own,
+    made once (zeroed, synchronised) outside graph capture and left at zero by every call (a fresh one while capturing
+    before it exists)."""
+    mode = os.environ.get(ROUTE_DECODE_TICKET_ENV, "").strip() or "call"
+    if mode not in ROUTE_DECODE_TICKETS:
+        raise ValueError(f"{ROUTE_DECODE_TICKET_ENV} must be one of {', '.join(ROUTE_DECODE_TICKETS)}, got {mode!r}")
+    key = (cupy.cuda.Device().id, layer.gate.data.ptr)
+    if mode == "layer" and key not in _layer_tickets and not cupy.cuda.get_current_stream().is_capturing():
+        ticket = cupy.zeros(1, cupy.uint32)
+        cupy.cuda.get_current_stream().synchronize()  # zero before any stream uses it
+        _layer_tickets[key] = ticket
+    if mode == "layer" and key in _layer_tickets:
+        return _layer_tickets[key]
+    if mode == "kernel":
+        ticket = cupy.empty(1, cupy.uint32)
+        kernel("moe_routing.cu", "moe_route_decode_ticket")((1,), (32,), (ticket,))
+        return ticket
+    return cupy.zeros(1, cupy.uint32)
 
 
 def route_decode_shape(tokens: int, hidden: int, num_experts: int, slots: int) -> tuple[int, dict[str, int]]:
@@ -249,11 +294,11 @@ def route_and_group(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | No
     """``group_by_expert(*route(x, ...))`` of ``layer`` in two launches: router_logits, then moe_route_sort
     (the same ids and weights as moe_route_warps, moe_sort_parallel's offsets and tile list; each expert's
     slots in the order atomics hand out, as there). None where the logits kernel does not run (unaligned
-    rows): the caller routes the usual way. The caller checks ``route_sort_wanted``; where ``route_decode_wanted``,
-    one launch instead (``route_decode``, its counter ``ticket`` where given)."""
+    rows): the caller routes the usual way. The caller checks ``route_sort_wanted``; where ``route_decode_wanted``
+    (or given a ``ticket``: the caller checked it), one launch instead (``route_decode``)."""
     spec, shared = layer.router, layer.shared_experts
     check_router(spec, shared)
-    if route_decode_wanted(x, layer):
+    if ticket is not None or route_decode_wanted(x, layer):
         return route_decode(x, layer, ticket)
     fused = router_fused_wanted(x, layer.gate) and layer.tid2eid is None
     logits = (cupy.empty((int(x.shape[0]), spec.num_experts), cupy.float32) if fused
@@ -313,7 +358,7 @@ def route_decode(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | None 
         fn.max_dynamic_shared_size_bytes = gate_bytes
     fn((grid,), (defines["ROUTE_DECODE_WARPS"] * 32,), (
         x, layer.gate, np.int32(num_tokens), np.int32(hidden), logits,
-        cupy.zeros(1, cupy.uint32) if ticket is None else ticket,
+        route_decode_ticket(layer) if ticket is None else ticket,
         NULL if layer.correction_bias is None else layer.correction_bias, np.int32(spec.num_experts),
         np.int32(spec.top_k), np.int32(SCORING[spec.scoring]), np.int32(spec.norm_topk_prob),
         np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights, grouping.offsets, grouping.sorted_slots,

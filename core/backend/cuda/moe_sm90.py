@@ -126,15 +126,13 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
     # (SM90_SHAPE_CHOICE); k2_x2 (2 stages of 128-wide k) unmeasured
     "m64_n128_k2_x2": Sm90Shape(tile_m=64, tile_n=128, k_sub=2, stages=2, ctas_per_sm=2),
     "m64_n128_s4_x2": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2),
-    # stream-K over the decode shape: each CTA the same number of k-tiles (a unit is the same weight bytes whatever its
-    # slots, so the last of ~4.3 waves of whole units leaves two thirds of the CTAs idle at 16 tokens). Slower: s13 D1 /
-    # D2 (H200, gpu_moe_grouped.py experts, 16 tokens) gate_up 163 vs 146 us, down 89 vs 77; Moonlight b16 step 0.90x.
-    # Not chosen, as are (measured and deleted in s13): the weights repacked at load so each unit's k-tiles are one
-    # contiguous run (gate_up 151.9 vs 145.9 us, in one 16 KB TMA box a stage or two of 8 KB; step 0.979x), each unit's
-    # k-tiles rotated to start at unit % k_tiles (147.8 vs 146.9 us; step 0.985x), this kernel at one token in place
-    # of the decode GEMV (step b1 0.96x). The row layout's 128-byte row pieces read from 264 CTAs are at ~94 % of the
-    # read-only stream already (gate_up; down ~89 %).
-    "m64_n128_s4_x2_sk": Sm90Shape(tile_m=64, tile_n=128, stages=4, ctas_per_sm=2, stream_k=True),
+    # Measured in s13 (H200, gpu_moe_grouped.py experts at 16 tokens / gpu_step_timeline.py) and deleted, all slower than
+    # m64_n128_s4_x2: its stream-K build (gate_up 163 vs 146 us, down 89 vs 77; Moonlight b16 step 0.90x); the weights
+    # repacked at load so each unit's k-tiles are one contiguous run (gate_up 151.9 vs 145.9 us, in one 16 KB TMA box a
+    # stage or two of 8 KB; step 0.979x); each unit's k-tiles rotated to start at unit % k_tiles (147.8 vs 146.9 us;
+    # step 0.985x); the weight boxes copied with an L2 evict-first policy (step b16 / b64 0.987 / 0.994x); this kernel at
+    # one token in place of the decode GEMV (step b1 0.96x). The row layout's 128-byte row pieces from 264 CTAs already
+    # read at ~94 % of a read-only stream (gate_up; down ~89 %: its last of ~3.2 waves).
 }
 # The shape by slots per expert (the first entry whose bound holds). Default since E1 (H200, 2026-11-24,
 # benchmarks/results/moe_grouped_experts_e1_h200.json; OPENINFER_MOE_SM90_SHAPE=base reverts): up to 24 slots
@@ -217,21 +215,6 @@ def b_first(slots_per_expert: float = 0.0) -> bool:
     if text not in ("0", "1"):
         raise ValueError(f"{B_FIRST_ENV} is 0 or 1; got {text!r}")
     return text == "1"
-
-
-# OPENINFER_MOE_SM90_EVICT_FIRST (opt-in A/B; =1 on): the weight boxes copied with an L2 evict-first policy (moe_sm90.cu
-# SM90_EVICT_FIRST), so a layer's ~0.9 GB of expert weights streaming through L2 stop evicting the small arrays the
-# kernels right after the MoE read back (residual, combine rows, norm weights). Single CTAs, no L2 look-ahead; a hint:
-# the same bits.
-EVICT_FIRST_ENV = "OPENINFER_MOE_SM90_EVICT_FIRST"
-
-
-def evict_first_wanted() -> bool:
-    """$OPENINFER_MOE_SM90_EVICT_FIRST (1 / 0, unset: off; another value: a clear error)."""
-    value = os.environ.get(EVICT_FIRST_ENV, "").lower()
-    if value not in ("", "0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"{EVICT_FIRST_ENV} must be 1 or 0 (on / off), got {value!r}")
-    return value in ("1", "true", "on")
 
 
 def sm90_pdl() -> bool:
@@ -380,10 +363,10 @@ def rotated_units(last_experts: int):
 
 
 def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl: int = 0, rotate: int = 0,
-                ahead: int = 0, weights_first: bool = False, evict_first: bool = False):
+                ahead: int = 0, weights_first: bool = False):
     """The moe_grouped_gemm_sm90 build for ``tiles`` (arch_kernel: compiled once; a dry run records it); ``pdl``
     (moe_sm90.cu SM90_PDL): 0 none, 1 (or True) weights before the wait, 2 the wait first; ``ahead``: SM90_L2_AHEAD;
-    ``weights_first``: SM90_B_FIRST; ``evict_first``: SM90_EVICT_FIRST."""
+    ``weights_first``: SM90_B_FIRST."""
     # the default build keeps its define set as before the shapes existed
     extra = {} if tiles == SM90_SHAPES["base"] else {
         "SM90_TILE_M": tiles.tile_m, "SM90_TILE_N": tiles.tile_n, "SM90_SKIP_EMPTY": int(tiles.skip_empty),
@@ -402,10 +385,6 @@ def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl:
         extra["SM90_L2_AHEAD"] = int(ahead)
     if weights_first:
         extra["SM90_B_FIRST"] = 1
-    if evict_first:
-        if multicast or ahead:
-            raise ValueError("moe_sm90's evict-first build runs single CTAs without the L2 look-ahead")
-        extra["SM90_EVICT_FIRST"] = 1
     return arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", tiles.shared_bytes(), SM90_STAGES=tiles.stages,
                        SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast), **extra)
 
@@ -444,7 +423,7 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     per_expert = num_slots / weight.num_experts
     ahead = l2_ahead(per_expert) if not (multicast or tiles.stream_k) else 0
     fn = sm90_kernel(tiles, fuse_silu, multicast, pdl, _rotate_units if _rotate_units < weight.num_experts else 0,
-                     ahead, b_first(per_expert), evict_first_wanted() and not (multicast or ahead))
+                     ahead, b_first(per_expert))
     grid = sm90_grid(num_slots, weight, fuse_silu, multicast, tiles)
     args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
             weight_maps.get(weight, tiles.tile_n // 2), grouping.offsets, np.int32(weight.num_experts), out,

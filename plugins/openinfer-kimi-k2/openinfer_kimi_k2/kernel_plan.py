@@ -40,14 +40,18 @@ projections            bf16: cuBLAS / gemv (core ``linear``); FP8 block-scaled o
                        q_b and shared-expert down: core ``add_rms_norm_linear`` /
                        ``silu_mul_linear`` (one launch per decode row under
                        ``OPENINFER_FUSED_DECODE``, else the two ops)
-latent write + RoPE    ``mla_write_latent`` (RMS-norm c_kv, rotate k_pe → cache slot,
-                       rotate q_pe in place)                                             core
+latent write + RoPE    ``mla_write_latent_q_pe`` (RMS-norm c_kv, rotate k_pe → cache     core
+                       slot; every head's rotated q_pe into a buffer of its own: q is
+                       read where the projection wrote it, no copy; ``OPENINFER_MLA_
+                       Q_VIEW=0``: copy q and ``mla_write_latent`` rotates it in place;
+                       ``OPENINFER_MLA_FUSED_WRITE=1``: folded into the TMA attention)
 MLA, long sequences    decompressed: ``mla_gather_context``, kv_b by cuBLAS into         core
                        per-head k_nope / v, on Hopper ``mla_prefill_attention_sm90``
                        (wgmma, TMA producer, two ping-pong consumer warpgroups, split
                        K/V stages), elsewhere ``mla_prefill_attention_pipelined``
                        (mma.sync; ``OPENINFER_MLA_PREFILL=pipelined`` / ``=plain``)
-MLA, other tokens      absorbed: W_UK / W_UV by cuBLAS strided-batched GEMMs over heads  core
+MLA, other tokens      absorbed: W_UK (over q's row stride) / W_UV by cuBLAS strided-       core
+                       batched GEMMs over heads
                        around ``mla_attention_mma_shared`` (tensor cores, <= 16 heads,
                        1 row; from 2 rows on Hopper ``mla_attention_tma``: TMA latent
                        rows, balanced splits; 17-64 heads too), off Hopper
