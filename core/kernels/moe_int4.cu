@@ -63,9 +63,6 @@
 #endif                  // registers beside each group's sum (the -136 term: one mma a chunk instead of eight), for
                         // passes of that many token rows (1: a batch-1 step's tiles, half the shared memory; a tile
                         // of more rows streams its weights once a row); one token pair. See groups_stage_activations
-#ifndef GROUPS_LINEAR_WALK
-#define GROUPS_LINEAR_WALK 0  // 1 (unrotated): the chunk walk without its wrap test (sm_90 SASS of groups_xs's steady
-#endif                        // loop: 97 -> 90 instructions per KB)
 #define GROUPS_PASS_ROWS (GROUPS_XSMEM == 1 ? 1 : 2 * GROUPS_PAIRS)  // token rows a pass over the weights
 #define GROUPS_XSMEM_RECORD 80  // bytes a (chunk, group, token) record: 16 B registers (64), the sum's 2 (8), pad
 #if GROUPS_XSMEM && (GROUPS_PAIRS != 1 || GROUPS_STAGES || GROUPS_PROBE)
@@ -487,10 +484,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
 #endif
         const int count = c_end - c_begin;
         const int start = c_begin + (GROUPS_ROTATE && count ? (int)(half_block * 37LL % count) : 0);
-        // (GROUPS_LINEAR_WALK, unrotated: the walk starts at c_begin and no load runs past c_end, so no wrap to test)
-        const auto next_chunk = [&](int c) {
-            return (GROUPS_ROTATE || !GROUPS_LINEAR_WALK) && c + 1 == c_end ? c_begin : c + 1;
-        };
+        const auto next_chunk = [&](int c) { return c + 1 == c_end ? c_begin : c + 1; };
         // the -136 operand and the bf16 magic, opaque to the compiler (which would otherwise rebuild the
         // constants before each use)
         unsigned neg136[4], magic = 0x43004300u;

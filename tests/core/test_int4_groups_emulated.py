@@ -43,11 +43,7 @@ CASES = {"d4": {"GROUPS_DEPTH": 4}, "d2": {"GROUPS_DEPTH": 2}, "p2": {"GROUPS_DE
          # warp past N meets the block's barriers)
          "xs": {"GROUPS_XSMEM": 2}, "xs_d2": {"GROUPS_XSMEM": 2, "GROUPS_DEPTH": 2},
          "xs_silu": {"GROUPS_XSMEM": 2, "GROUPS_FUSE_SILU": 1}, "xs_rb2": {"GROUPS_XSMEM": 2, "GROUPS_ROW_BLOCKS": 2},
-         "xs1": {"GROUPS_XSMEM": 1}, "xs1_silu_d2": {"GROUPS_XSMEM": 1, "GROUPS_DEPTH": 2, "GROUPS_FUSE_SILU": 1},
-         # ... the chunk walk without its wrap test (unrotated), the ring of 4 (K's three chunks: never full) and of 2
-         "xs_lw": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_LINEAR_WALK": 1},
-         "xs_lw_d2_silu": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_LINEAR_WALK": 1, "GROUPS_DEPTH": 2,
-                           "GROUPS_FUSE_SILU": 1}}
+         "xs1": {"GROUPS_XSMEM": 1}, "xs1_silu_d2": {"GROUPS_XSMEM": 1, "GROUPS_DEPTH": 2, "GROUPS_FUSE_SILU": 1}}
 CASE_N = {"rb2": 192, "s2_k2_rb3": 192, "xs_rb2": 192}  # N of a case (default 48)
 ROUTES = {"one_token": (1, 8, 4), "few": (5, 3, 2), "ragged": (12, 4, 3)}
 

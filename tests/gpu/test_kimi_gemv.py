@@ -43,8 +43,7 @@ GROUPED_KERNELS = [False, "moe_gemv", "wide", "wide_nc", "mma", "mma_nc", "mma_s
 LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "tiled1_nc_rot", "groups", "groups_d2",
                        "groups_norot_acc2", "groups_acc2", "groups_norot_acc4",
                        "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6",
-                       "groups_s8_k2", "groups_s8_p2", "groups_s8_p4", "groups_xs", "groups_xs_d2", "groups_xs1",
-                       "groups_xs_lw"]
+                       "groups_s8_k2", "groups_s8_p2", "groups_s8_p4", "groups_xs", "groups_xs_d2", "groups_xs1"]
 
 
 def _kernel_id(kernel) -> str:
@@ -171,8 +170,8 @@ def test_lane_groups_one_token_choice_and_shared_memory(cuda_moe, rng, monkeypat
     two = moe.group_by_expert(cupy.asarray(np.array([[0, 2], [0, 1]], np.int32)), cupy.ones((2, 2), cupy.float32), 4)
     monkeypatch.setenv(moe.GEMV_SILU_ENV, "1")
     assert moe.gemv_silu_kernel(x, weight, one) == "groups_xs1"
-    monkeypatch.setattr(moe, "LANE_GROUPS_ONE_TOKEN_FUSED", "groups_xs_lw")  # the fused gate_up's own
-    assert moe.gemv_silu_kernel(x, weight, one) == "groups_xs_lw"
+    monkeypatch.setattr(moe, "LANE_GROUPS_ONE_TOKEN_FUSED", "groups_xs_d2")  # the fused gate_up's own
+    assert moe.gemv_silu_kernel(x, weight, one) == "groups_xs_d2"
     assert moe.layout_gemv(weight, "mma_staged", None, 0.02, one_token=True) == "groups_xs1"
     assert moe.gemv_silu_kernel(cupy.concatenate([x, x]), weight, two) != "groups_xs1"
     assert moe.groups_shared_bytes({"GROUPS_XSMEM": 1}, 7168) == (0, (4 * 56 + 1) * 80)
@@ -304,7 +303,7 @@ def test_wide_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, monkeypat
 # --- the lane-groups layout (tile_int4(lane_groups=True), moe.cu INT4_TILED 2) and moe_int4.cu's GEMV ---
 
 
-@pytest.mark.parametrize("gemv_kernel", [None, "groups_norot", "groups_xs", "groups_xs_lw"])
+@pytest.mark.parametrize("gemv_kernel", [None, "groups_norot", "groups_xs"])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 64])
 def test_lane_groups_moe_forward_equals_rows(cuda_backend, cuda_moe, rng, monkeypatch, tokens, gemv_kernel):
     """moe_forward (routing, gate_up GEMV, SiLU·mul, down GEMV, weighted combine) with lane-groups experts:
@@ -344,7 +343,7 @@ def test_lane_groups_moe_forward_equals_rows(cuda_backend, cuda_moe, rng, monkey
 
 
 @pytest.mark.parametrize("gemv_kernel", ["groups", "groups_d2", "groups_d6", "groups_norot", "groups_s8", "groups_s8_k2",
-                                         "groups_xs", "groups_xs_d2", "groups_xs1", "groups_xs_lw"])
+                                         "groups_xs", "groups_xs_d2", "groups_xs1"])
 @pytest.mark.parametrize("tokens", [1, 2, 40])
 def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, monkeypatch, gemv_kernel, tokens):
     """OPENINFER_MOE_GEMV_SILU=1 with lane-groups gate_up: moe_gemv_int4_groups with SiLU·mul fused (each warp

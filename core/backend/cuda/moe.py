@@ -280,14 +280,14 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # eight: 9 mma per KB instead of 16); register ring. sm_90a ptxas: 118-127 registers (4 blocks per SM), no spills;
     # dynamic shared memory (4 rows K / 128 + 1) x 80 bytes (Kimi-K2 gate_up 35.9 / 18.0 KB). s13 D2 (H200, one token,
     # results/kimi_gemv_int4_s13d1_h200.json) gate_up / down 37.8 / 23.9 us (xs1 37.8 / 23.8) vs groups_norot 42.2 /
-    # 26.3: LANE_GROUPS_ONE_TOKEN
+    # 26.3: LANE_GROUPS_ONE_TOKEN and LANE_GROUPS_CHOICE's first entry
     "groups_xs": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0},
     "groups_xs_d2": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_DEPTH": 2},
     "groups_xs1": {"GROUPS_XSMEM": 1, "GROUPS_ROTATE": 0},
     # (Read at their mma, GROUPS_XSMEM_AT_USE: 93 / 80 registers, 5 / 6 blocks an SM; slower in s13 D3: gate_up / down
     # 38.9 / 24.9 and, ring of 2, 42.4 / 27.0 us vs 37.8 / 24.0; deleted.)
-    # ... walking the chunks without the rotation's wrap test (GROUPS_LINEAR_WALK: 97 -> 90 instructions per KB)
-    "groups_xs_lw": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_LINEAR_WALK": 1},
+    # (Without the chunk walk's wrap test when unrotated, GROUPS_LINEAR_WALK, 97 -> 90 SASS instructions per KB: within
+    # noise in s13 D3b, 38.2 / 23.8 vs 37.8 / 23.8 us, layer in_model 182.5 / 182.8 vs 182.6 / 182.7; deleted.)
     # measuring only, wrong results (moe_int4.cu GROUPS_PROBE): groups_norot's memory stream without the arithmetic,
     # its arithmetic on cache-resident chunks. s13 D2 (one token, gate_up / down): 34.9 / 20.4 and 38.2 / 21.3 us
     # where the kernel took 42.2 / 26.3: the arithmetic, not the loads, set the pace
@@ -316,9 +316,12 @@ TILED_GEMV = "tiled1_nc_rot"
 # s12 D2b (H200, one Kimi-K2 layer at 64 tokens, results/kimi_layer_b64_kimi13_d2b.json): groups_acc2 (the chunk's
 # mma in two accumulator chains) 2,629.5 -> 2,582.7 us (gate_up 1,531.5 -> 1,512.0, down 834.4 -> 815.3); at one token
 # groups_norot_acc2 was not faster (gate_up 43.5 -> 44.7 us), so the first entry stays.
-LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_norot"), (3, "groups_acc2"))
+# The first entry groups_xs since s13 D3b (H200, results/kimi_gemv_int4_s13d3b_h200.json): gate_up / down at 16 tokens
+# (0.33 slots per expert) 524.3 / 267.7 -> 443.7 / 236.5 us, at one token 42.1 / 26.1 -> 37.8 / 23.8.
+LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_xs"), (3, "groups_acc2"))
 # What lane-groups INT4 weights run in a grouped step of one token (every expert tile one row: a batch-1 decode step),
-# ahead of LANE_GROUPS_CHOICE; None: the table's. groups_xs since s13 D2 (H200, results/kimi_gemv_int4_s13d1_h200.json,
+# ahead of LANE_GROUPS_CHOICE (which also picks groups_xs up to 0.5 slots per expert since D3b; this one holds for a
+# single token whatever its slots per expert); None: the table's. groups_xs since s13 D2 (H200, results/kimi_gemv_int4_s13d1_h200.json,
 # kimi_layer_b1_int4_s13d1_h200.json; Kimi-K2 at one token): gate_up / down 42.2 / 26.3 -> 37.8 / 23.9 us alone (the
 # arithmetic alone, probe_arith, had been 38.2 / 21.3; the loads alone, probe_memory, 34.9 / 20.4); in the layer's
 # graph timeline 43.6 + 25.9 -> 39.1 + 22.9 us (groups_xs1, the same kernel for one-row tiles), span 197.8 -> 190.3 us.
