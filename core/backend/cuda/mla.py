@@ -110,7 +110,7 @@ WRITE_ABSORB_ENV = "OPENINFER_MLA_WRITE_ABSORB"
 # needs no copy). =0: the copy.
 Q_VIEW_ENV = "OPENINFER_MLA_Q_VIEW"
 DEFAULT_Q_VIEW = True
-# Opt-in until a device A/B: $OPENINFER_MLA_FUSED_WRITE=1 folds mla_write_latent into mla_attention_tma in steps of
+# Default since s13 D3b: $OPENINFER_MLA_FUSED_WRITE (1) folds mla_write_latent into mla_attention_tma in steps of
 # one new token per sequence (decode steps and their graphs): the split that holds a token's own position computes
 # its latent row (the write kernel's sums), head block 0 stores it, the tile holding that position takes it from
 # shared memory, and every CTA rotates q's rope dims as it loads them from the projection's rows (q read in place, as
@@ -119,9 +119,13 @@ DEFAULT_Q_VIEW = True
 # both in flight from the start) instead of 11 of 96 (3 tiles, the third behind a refill); Kimi b1 32 of 32 instead
 # of 17 of 64. One launch fewer a layer (s12 D1, Moonlight b16: the latent write took 4.0 us a layer); with one split
 # the same bits, with more the same sums over other split bounds. Other kernels (off Hopper, the step's choice) take
-# mla_write_latent_q_pe first.
+# mla_write_latent_q_pe first. Its query rows are staged in shared memory (mla_decode_sm90.DEFAULT_Q_TILE_WITH_WRITE).
+# H200, Moonlight decode graphs (gpu_step_timeline.py) vs Q_VIEW alone: s13 D3 (one process, 2 rounds) b16 / b64
+# 1.005 / 1.012x vs the copy; D3b (3 rounds, timeline_moonlight_mla13_d3b.json) 1.006 / 1.002x vs Q_VIEW, b1 0.998x
+# (b1 runs mma_shared: the same kernels, W_UK launched first). Kimi-K2 layer b1 (D3): 189.2 -> 187.8 us. Trace (D3,
+# b16): attention 17.0 us with the write folded in (16.7 + write 3.9 + copy 1.6 before). =0: the separate write.
 FUSED_WRITE_ENV = "OPENINFER_MLA_FUSED_WRITE"
-DEFAULT_FUSED_WRITE = False
+DEFAULT_FUSED_WRITE = True
 FUSED_WRITE_MIN_ROWS = 1  # the default's fewest rows (the switch set to 1 takes every decode step)
 WRITE_ABSORB_MAX_TOKENS = 16  # mla.cu ABSORB_MAX_TOKENS (each thread's accumulators: 16 rows x 8 columns)
 WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
