@@ -784,7 +784,10 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
             splits = max(splits, mla_decode_sm90.BALANCE_MIN_SPLITS)
             balance_slots = max(1, blocks_per_sm * num_sms // head_chunks)
         staged_q = mla_decode_sm90.q_tile(latent_write is not None) and mla_decode_sm90.q_tile_fits(spec, q, *q_layout)
-        tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, pdl() and cluster == 1,
+        # the fused latent write reads kv_a and writes the cache before any PDL wait: plain launch (s13 D4 found the
+        # opt-in $OPENINFER_MLA_PDL with it wrong under graph replay)
+        tma_pdl = pdl() and cluster == 1 and latent_write is None
+        tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, tma_pdl,
                                                                     latent_write is not None, staged_q)
     else:
         splits = num_splits(num_tokens, head_chunks, num_sms)
@@ -804,7 +807,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
             write_args = (w.latent, np.int32(w.latent.strides[0] // 2), w.kv_a_norm, np.float32(w.eps),
                           batch.slot_mapping, w.cos, w.sin, np.int32(q.strides[0] // 2))
         mla_decode_sm90.launch_tma_decode(tma_attention, tma_smem, (num_tokens, head_chunks, splits), args, cache,
-                                          balance_slots, after_previous=pdl() and cluster == 1, write_args=write_args)
+                                          balance_slots, after_previous=tma_pdl, write_args=write_args)
     elif name == "mma_shared":
         attention, smem = _shared_decode_kernel(spec, keys)
         launch(attention, (num_tokens, head_chunks, splits), (SHARED_THREADS,), args, smem, after_previous=pdl())
