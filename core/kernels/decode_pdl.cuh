@@ -25,3 +25,20 @@ __device__ __forceinline__ void decode_pdl_wait() {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
+
+// A 16-byte weight load meant to issue BEFORE decode_pdl_wait. ptxas schedules griddepcontrol.wait (SASS ACQBULK)
+// above plain or ld.global.nc loads that precede it in the source (delaying a load past the wait is legal, and it
+// does: sm_90a SASS of gemv_m1 with DECODE_PDL=1 had ACQBULK before all eight weight LDGs, so no weight byte moved
+// before the previous kernel ended). A relaxed gpu-scope load (LDG.E.128.STRONG.GPU, L1 bypassed: a weight word is
+// read once) stays where it is written. The same word either way; off (and on the host stand-in): a plain load.
+__device__ __forceinline__ uint4 decode_pdl_load_early(const void* p) {
+#if DECODE_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint4 v;
+    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+#else
+    return *reinterpret_cast<const uint4*>(p);
+#endif
+}

@@ -31,7 +31,8 @@ __device__ __forceinline__ void words_to_floats8(const uint4& u, float* f) {
 }
 
 // A pass of UNROLL 16-byte steps from k (those below K) of each weight row: the raw words, loaded (few registers).
-template <int COLS, int UNROLL>
+// EARLY: the pass before decode_pdl_wait, by decode_pdl_load_early (the loads stay ahead of the wait in SASS).
+template <int COLS, int UNROLL, bool EARLY = false>
 __device__ __forceinline__ void gemv_raw_issue(const bf16* const (&wrow)[COLS], uint4 (&raw)[UNROLL][COLS], int K,
                                                int k) {
     constexpr int STEP = 32 * 8;
@@ -39,7 +40,9 @@ __device__ __forceinline__ void gemv_raw_issue(const bf16* const (&wrow)[COLS], 
     for (int u = 0; u < UNROLL; ++u)
         if (k + u * STEP < K)
 #pragma unroll
-            for (int c = 0; c < COLS; ++c) raw[u][c] = *reinterpret_cast<const uint4*>(wrow[c] + k + u * STEP);
+            for (int c = 0; c < COLS; ++c)
+                raw[u][c] = EARLY ? decode_pdl_load_early(wrow[c] + k + u * STEP)
+                                  : *reinterpret_cast<const uint4*>(wrow[c] + k + u * STEP);
 }
 
 // The pass's FMAs: each step's x (those below K) times its words, in k order.
@@ -72,7 +75,7 @@ template <int ROWS, int COLS, int UNROLL, bool WAIT>
 __device__ __forceinline__ void gemv_raw_pass(const bf16* __restrict__ x, const bf16* const (&wrow)[COLS],
                                               float (&acc)[ROWS][COLS], int M, int K, int k) {
     uint4 raw[UNROLL][COLS];
-    gemv_raw_issue<COLS, UNROLL>(wrow, raw, K, k);
+    gemv_raw_issue<COLS, UNROLL, WAIT>(wrow, raw, K, k);
     if constexpr (WAIT) {
         decode_pdl_wait();
         decode_pdl_launch_dependents();  // after the wait: a dependent may read what the kernel before wrote
@@ -196,6 +199,28 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m8(GEMV_
 // Σ x·g·w (fp32); the column's sum is scaled by rsqrt(Σx²/K + eps) at the end. The weight row's loads issue
 // first, as gemv_m1's (passes of RMS_SCALED_UNROLL, the partial last pass all at once). Not the bits of rms_norm
 // then gemv_m1 (that rounds the normalised row to bf16 twice): fp32 throughout, within bf16 rounding.
+// gemv_m1_rms_scaled's FMAs for a pass of raw weight words from k0 (those below K): Σ x² and Σ x·g·w, in k order.
+template <int UNROLL>
+__device__ __forceinline__ void rms_scaled_consume(const bf16* __restrict__ x, const bf16* __restrict__ norm_weight,
+                                                   const uint4 (&raw)[UNROLL][1], float& acc, float& ss, int K,
+                                                   int k0) {
+    constexpr int STEP = 32 * 8;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int k = k0 + u * STEP;
+        if (k >= K) break;
+        float xf[8], gf[8], wf[8];
+        load8(x + k, xf);
+        load8(norm_weight + k, gf);
+        words_to_floats8(raw[u][0], wf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            ss += xf[i] * xf[i];
+            acc += xf[i] * gf[i] * wf[i];
+        }
+    }
+}
+
 #ifndef RMS_SCALED_UNROLL
 #define RMS_SCALED_UNROLL 6  // a pass of 6 loads (Kimi-K2's q_b: K = 1536 in one): 48 registers, 5 blocks an SM as gemv_m1
 #endif
@@ -205,36 +230,23 @@ gemv_m1_rms_scaled(const bf16* __restrict__ x, const bf16* __restrict__ norm_wei
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n = blockIdx.x * WARPS_PER_BLOCK + warp;
     if (n >= N) return;
-    const bf16* wrow = w + (size_t)n * K;
+    const bf16* const wrow[1] = {w + (size_t)n * K};  // gemv_raw_issue's rows of one column
     constexpr int STEP = 32 * 8, UNROLL = RMS_SCALED_UNROLL;
     float acc = 0.f, ss = 0.f;
-    bool waited = !DECODE_PDL;  // the weights' first pass in flight before the wait for x (decode_pdl.cuh)
-    for (int k0 = lane * 8; k0 < K; k0 += UNROLL * STEP) {
-        uint4 raw[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-            if (k0 + u * STEP < K) raw[u] = *reinterpret_cast<const uint4*>(wrow + k0 + u * STEP);
-        if (!waited) {
+    // DECODE_PDL: the first pass's weights in flight before the wait for x (decode_pdl.cuh). Every pass loads by
+    // decode_pdl_load_early there (one loop: a peeled first pass spilled 52 bytes at 48 registers, a flag 6); a
+    // Kimi-K2 q_b row (K = 1536) is one pass anyway.
+    const int first = lane * 8;
+    for (int k0 = first; k0 < K; k0 += UNROLL * STEP) {
+        uint4 raw[UNROLL][1];
+        gemv_raw_issue<1, UNROLL, DECODE_PDL != 0>(wrow, raw, K, k0);
+        if (DECODE_PDL && k0 == first) {
             decode_pdl_wait();
             decode_pdl_launch_dependents();  // after the wait (see gemv_tile)
-            waited = true;
         }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int k = k0 + u * STEP;
-            if (k >= K) break;
-            float xf[8], gf[8], wf[8];
-            load8(x + k, xf);
-            load8(norm_weight + k, gf);
-            words_to_floats8(raw[u], wf);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                ss += xf[i] * xf[i];
-                acc += xf[i] * gf[i] * wf[i];
-            }
-        }
+        rms_scaled_consume<UNROLL>(x, norm_weight, raw, acc, ss, K, k0);
     }
-    if (!waited) {
+    if (DECODE_PDL && first >= K) {  // a lane past the row's end waits all the same
         decode_pdl_wait();
         decode_pdl_launch_dependents();
     }

@@ -77,12 +77,31 @@ def decode_pdl() -> bool:
     return DEFAULT_DECODE_PDL if value == "" else value in ("1", "true", "on")
 
 
+# OPENINFER_GEMV_PDL=1 (opt-in until measured): the same programmatic dependent launch for the one-row dense GEMVs
+# only (gemv_m1, gemv_m1_rms_scaled: Kimi-K2's qkv_a, q_b, o_proj and shared expert), not the routers or the INT4
+# GEMV (s12 D2: their CTAs parked beside the shared GEMVs, INT4 gate_up 42 -> 55 us). The GEMVs' first pass of
+# weight words issues before griddepcontrol.wait since s14 (decode_pdl_load_early: ptxas had scheduled the wait
+# above every weight load, so DECODE_PDL's GEMVs of s12 D2 loaded nothing early). 0 / unset: $OPENINFER_DECODE_PDL
+# decides, as before. The same bits either way.
+GEMV_PDL_ENV = "OPENINFER_GEMV_PDL"
+DEFAULT_GEMV_PDL = False
+
+
+def gemv_pdl() -> bool:
+    """Whether the one-row dense GEMVs launch with PDL: $OPENINFER_GEMV_PDL (1 / 0; unset: DEFAULT_GEMV_PDL; another
+    value: a clear error) or $OPENINFER_DECODE_PDL."""
+    value = os.environ.get(GEMV_PDL_ENV, "").strip().lower()
+    if value not in ("", "0", "1", "true", "false", "on", "off"):
+        raise ValueError(f"{GEMV_PDL_ENV} must be 1 or 0, got {value!r}")
+    return (DEFAULT_GEMV_PDL if value == "" else value in ("1", "true", "on")) or decode_pdl()
+
+
 def launch_decode(source: str, name: str, grid, block, args: tuple, shared_mem: int = 0, pdl_mode: int = 1,
-                  **defines: int) -> None:
+                  pdl: bool | None = None, **defines: int) -> None:
     """``kernel(source, name, **defines)`` launched plainly, or built with DECODE_PDL = ``pdl_mode`` (2: the
     kernel's mode for inputs written before the previous kernel, where it has one) and launched after the
-    previous kernel by programmatic dependent launch where ``decode_pdl``."""
-    if decode_pdl():
+    previous kernel by programmatic dependent launch where ``pdl`` (None: ``decode_pdl``)."""
+    if decode_pdl() if pdl is None else pdl:
         launch(kernel(source, name, **defines, DECODE_PDL=pdl_mode), grid, block, args, shared_mem=shared_mem,
                after_previous=True)
     else:
@@ -99,7 +118,7 @@ def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
     bias = layer.bias if layer.bias is not None else NULL
     args = (x, layer.weight, bias, out, np.int32(m), np.int32(n), np.int32(k))
     if rows == 1:
-        launch_decode("gemv.cu", "gemv_m1", (grid,), (GEMV_WARPS_PER_BLOCK * 32,), args)
+        launch_decode("gemv.cu", "gemv_m1", (grid,), (GEMV_WARPS_PER_BLOCK * 32,), args, pdl=gemv_pdl())
         return
     kernel("gemv.cu", f"gemv_m{rows}")((grid,), (GEMV_WARPS_PER_BLOCK * 32,), args)
 
@@ -196,7 +215,7 @@ def rms_norm_gemv(x: cupy.ndarray, norm_weight: cupy.ndarray, eps: float, layer:
     out = cupy.empty((1, n), dtype=cupy.uint16)
     launch_decode("gemv.cu", "gemv_m1_rms_scaled", (-(-n // GEMV_WARPS_PER_BLOCK),), (GEMV_WARPS_PER_BLOCK * 32,),
                   (cupy.ascontiguousarray(x), norm_weight, np.float32(eps), layer.weight,
-                   layer.bias if layer.bias is not None else NULL, out, np.int32(n), np.int32(k)))
+                   layer.bias if layer.bias is not None else NULL, out, np.int32(n), np.int32(k)), pdl=gemv_pdl())
     return out
 
 

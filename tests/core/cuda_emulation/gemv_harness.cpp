@@ -35,6 +35,13 @@ int main(int argc, char** argv) {
     save(dir, "unfused_norm.bin", y_norm);
     save(dir, "unfused_residual.bin", with_residual ? residual_sum : x);
     save(dir, "unfused_silu.bin", y_silu);
+    std::vector<bf16> y_plain(N), y_scaled(N);
+    launch(tiles, 1, 1, threads, [&] { gemv_m1(x.data(), w.data(), nullptr, y_plain.data(), 1, N, K); });
+    launch(tiles, 1, 1, threads, [&] {
+        gemv_m1_rms_scaled(x.data(), norm.data(), eps, w.data(), nullptr, y_scaled.data(), N, K);
+    });
+    save(dir, "gemv_m1.bin", y_plain);
+    save(dir, "rms_scaled.bin", y_scaled);
 
     for (int g = 0; g < 3; ++g) {
         const unsigned grid = params[4 + g];
