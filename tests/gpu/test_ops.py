@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from openinfer.backend.cuda.bf16 import round_to_bf16
+from openinfer.backend.cuda.bf16 import bf16_bits_to_float, round_to_bf16
 from openinfer.backend.numpy_backend import NumpyBackend
 from tests.gpu.conftest import bf16_random, relative_error
 
@@ -86,6 +86,61 @@ def test_skinny_gemm_matches_numpy_and_is_batch_invariant(cuda_backend, rng, bia
     assert relative_error(full, REF.linear(x, REF.linear_weight(w, b))) < BF16_TOL
     for m in (1, 2, 3, 4, 7):
         assert np.array_equal(run(m), full[:m])
+
+
+@pytest.mark.parametrize("rms_scaled", ["0", "1"])
+def test_gemv_pdl_same_bits_eager_and_replayed(cuda_backend, rng, monkeypatch, rms_scaled):
+    """$OPENINFER_GEMV_PDL=1 (the one-row GEMVs launched by programmatic dependent launch, their first pass of
+    weights loaded before griddepcontrol.wait): a batch-1 chain shaped as Kimi-K2's attention projections — qkv_a,
+    q_a_norm + q_b (rms_norm then gemv_m1, or gemv_m1_rms_scaled right after qkv_a), o_proj, a GEMV after an
+    elementwise kernel — gives the bits of plain launches, eagerly on a stream of its own and replayed from a CUDA
+    graph (twice, rows in between overwritten by the replay itself)."""
+    from openinfer.backend.cuda import linear as cuda_linear
+
+    hidden, q_lora, latent, q_out = 1024, 384, 160, 1536  # 1536 / 384: a pass and a partial one; 1024: 4 steps a lane
+    qkv_a = cuda_backend.linear_weight(bf16_random(rng, q_lora + latent, hidden, scale=0.05))
+    q_b = cuda_backend.linear_weight(bf16_random(rng, q_out, q_lora, scale=0.05))
+    o_proj = cuda_backend.linear_weight(bf16_random(rng, hidden, q_out, scale=0.05))
+    up = cuda_backend.linear_weight(bf16_random(rng, 2 * 256, hidden, scale=0.05))
+    down = cuda_backend.linear_weight(bf16_random(rng, hidden, 256, scale=0.05))
+    norm = cuda_backend.weight(round_to_bf16(1 + bf16_random(rng, q_lora, scale=0.2)))
+    x = cuda_backend.upload(bf16_random(rng, 1, hidden))
+    monkeypatch.setenv(cuda_linear.RMS_SCALED_GEMV_ENV, rms_scaled)
+    monkeypatch.delenv(cuda_linear.DECODE_PDL_ENV, raising=False)
+
+    def step():
+        a = cuda_backend.linear(x, qkv_a)
+        q, _ = cuda_backend.add_rms_norm_linear(cupy.ascontiguousarray(a[:, :q_lora]), None, norm, 1e-6, q_b)
+        h = cuda_backend.linear(q, o_proj)
+        return a, q, h, cuda_backend.linear(cuda_backend.silu_mul(cuda_backend.linear(h, up)), down)
+
+    results = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv(cuda_linear.GEMV_PDL_ENV, pdl)
+        assert cuda_linear.gemv_pdl() is (pdl == "1")
+        pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+        with cupy.cuda.using_allocator(pool.malloc), stream:
+            eager = [cupy.asnumpy(a) for a in step()]
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                outs = step()
+            finally:
+                graph = stream.end_capture()
+            for _ in range(2):
+                for out in outs:
+                    out.fill(0)
+                graph.launch(stream)
+                stream.synchronize()
+                assert all(np.array_equal(cupy.asnumpy(a), b) for a, b in zip(outs, eager, strict=True))
+        results[pdl] = eager
+    assert all(np.array_equal(a, b) for a, b in zip(results["1"], results["0"], strict=True))
+    q_host, h_host = (bf16_bits_to_float(results["0"][i]) for i in (1, 2))
+    o_weight = cuda_backend.to_host(o_proj.weight)
+    assert relative_error(h_host, REF.linear(q_host, REF.linear_weight(o_weight, None))) < BF16_TOL
+    monkeypatch.setenv(cuda_linear.GEMV_PDL_ENV, "sometimes")
+    with pytest.raises(ValueError, match="must be 1 or 0"):
+        cuda_linear.gemv_pdl()
 
 
 def test_silu_mul_add_gather(cuda_backend, rng):
