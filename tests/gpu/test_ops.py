@@ -143,6 +143,84 @@ def test_gemv_pdl_same_bits_eager_and_replayed(cuda_backend, rng, monkeypatch, r
         cuda_linear.gemv_pdl()
 
 
+# A kernel that lets the stream's next kernel launch at once (griddepcontrol.launch_dependents), then spins ~0.5 ms
+# and only then writes dst: a PDL-launched reader that does not wait in griddepcontrol.wait reads dst's old value.
+LATE_COPY = r"""
+extern "C" __global__ void late_copy(const unsigned short* src, unsigned short* dst, int n, long long cycles) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    const long long start = clock64();
+    while (clock64() - start < cycles) {
+    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+"""
+
+
+def _late_gemv(cuda_backend, rng, launch_gemv):
+    """``launch_gemv(dst, layer)`` after late_copy(src -> dst) on a stream of its own, eagerly and replayed from a
+    graph: (the two results as bits, the plain launches' bits). dst holds zeros until late_copy writes it."""
+    n, k = 1536, 7168  # Kimi-K2's qkv_a-sized row: 3 passes + a partial one; 192 blocks
+    layer = cuda_backend.linear_weight(bf16_random(rng, n, k, scale=0.05))
+    src = cuda_backend.upload(bf16_random(rng, 1, k))
+    late = cupy.RawKernel(LATE_COPY, "late_copy")
+    want = cupy.asnumpy(cuda_backend.linear(src, layer))
+    results = []
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        dst = cupy.zeros((1, k), cupy.uint16)
+        late((1,), (256,), (src, dst, np.int32(k), np.int64(1_000_000)))
+        results.append(cupy.asnumpy(launch_gemv(dst, layer)))
+        dst.fill(0)
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            late((1,), (256,), (src, dst, np.int32(k), np.int64(1_000_000)))
+            out = launch_gemv(dst, layer)
+        finally:
+            graph = stream.end_capture()
+        dst.fill(0)
+        stream.synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        results.append(cupy.asnumpy(out))
+    return results, want
+
+
+def test_gemv_pdl_waits_for_a_late_writer(cuda_backend, rng, monkeypatch):
+    """$OPENINFER_GEMV_PDL=1: gemv_m1 starts while the kernel before it still runs (that kernel lets it launch at
+    once, then writes the GEMV's input ~0.5 ms later), issues its first pass of weights, waits, and reads the
+    input as written: the plain launch's bits, eagerly and from a graph."""
+    from openinfer.backend.cuda import linear as cuda_linear
+
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    monkeypatch.delenv(cuda_linear.DECODE_PDL_ENV, raising=False)
+    monkeypatch.setenv(cuda_linear.GEMV_PDL_ENV, "1")
+    results, want = _late_gemv(cuda_backend, rng, cuda_backend.linear)
+    assert all(np.array_equal(got, want) for got in results)
+
+
+def test_gemv_pdl_late_writer_control(cuda_backend, rng):
+    """The control of test_gemv_pdl_waits_for_a_late_writer: gemv_m1 built WITHOUT the wait but PDL-launched after
+    late_copy reads the input before it is written (so the late writer really overlaps the GEMV there)."""
+    from openinfer.backend.cuda.linear import GEMV_WARPS_PER_BLOCK, NULL
+    from openinfer.backend.cuda.loader import kernel
+    from openinfer.backend.cuda.pdl_launch import launch
+
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+
+    def no_wait(x, layer):
+        n, k = layer.weight.shape
+        out = cupy.empty((1, n), cupy.uint16)
+        launch(kernel("gemv.cu", "gemv_m1"), (-(-n // GEMV_WARPS_PER_BLOCK),), (GEMV_WARPS_PER_BLOCK * 32,),
+               (x, layer.weight, NULL, out, np.int32(1), np.int32(n), np.int32(k)), after_previous=True)
+        return out
+
+    results, want = _late_gemv(cuda_backend, rng, no_wait)
+    assert all(not np.array_equal(got, want) for got in results)
+
+
 def test_silu_mul_add_gather(cuda_backend, rng):
     gate_up = bf16_random(rng, 21, 2 * 384, scale=2.0)
     out = cuda_backend.to_host(cuda_backend.silu_mul(cuda_backend.upload(gate_up)))
