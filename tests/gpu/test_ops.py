@@ -88,13 +88,39 @@ def test_skinny_gemm_matches_numpy_and_is_batch_invariant(cuda_backend, rng, bia
         assert np.array_equal(run(m), full[:m])
 
 
+def _eager_and_replayed(step, replays: int = 2) -> tuple[list[np.ndarray], list[list[np.ndarray]]]:
+    """``step()``'s outputs (device arrays) as host copies, run eagerly on a stream of its own and then from the CUDA
+    graph of one captured ``step()``, ``replays`` times (its outputs zeroed before each replay)."""
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        eager = [cupy.asnumpy(a) for a in step()]
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            outs = step()
+        finally:
+            graph = stream.end_capture()
+        replayed = []
+        for _ in range(replays):
+            for out in outs:
+                out.fill(0)
+            graph.launch(stream)
+            stream.synchronize()
+            replayed.append([cupy.asnumpy(a) for a in outs])
+    return eager, replayed
+
+
+def _same(runs: list[list[np.ndarray]], want: list[np.ndarray]) -> bool:
+    return all(np.array_equal(a, b) for run in runs for a, b in zip(run, want, strict=True))
+
+
 @pytest.mark.parametrize("rms_scaled", ["0", "1"])
 def test_gemv_pdl_same_bits_eager_and_replayed(cuda_backend, rng, monkeypatch, rms_scaled):
     """$OPENINFER_GEMV_PDL=1 (the one-row GEMVs launched by programmatic dependent launch, their first pass of
     weights loaded before griddepcontrol.wait): a batch-1 chain shaped as Kimi-K2's attention projections — qkv_a,
     q_a_norm + q_b (rms_norm then gemv_m1, or gemv_m1_rms_scaled right after qkv_a), o_proj, a GEMV after an
     elementwise kernel — gives the bits of plain launches, eagerly on a stream of its own and replayed from a CUDA
-    graph (twice, rows in between overwritten by the replay itself)."""
+    graph."""
     from openinfer.backend.cuda import linear as cuda_linear
 
     hidden, q_lora, latent, q_out = 1024, 384, 160, 1536  # 1536 / 384: a pass and a partial one; 1024: 4 steps a lane
@@ -118,23 +144,9 @@ def test_gemv_pdl_same_bits_eager_and_replayed(cuda_backend, rng, monkeypatch, r
     for pdl in ("0", "1"):
         monkeypatch.setenv(cuda_linear.GEMV_PDL_ENV, pdl)
         assert cuda_linear.gemv_pdl() is (pdl == "1")
-        pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-        with cupy.cuda.using_allocator(pool.malloc), stream:
-            eager = [cupy.asnumpy(a) for a in step()]
-            stream.synchronize()
-            stream.begin_capture()
-            try:
-                outs = step()
-            finally:
-                graph = stream.end_capture()
-            for _ in range(2):
-                for out in outs:
-                    out.fill(0)
-                graph.launch(stream)
-                stream.synchronize()
-                assert all(np.array_equal(cupy.asnumpy(a), b) for a, b in zip(outs, eager, strict=True))
-        results[pdl] = eager
-    assert all(np.array_equal(a, b) for a, b in zip(results["1"], results["0"], strict=True))
+        results[pdl], replayed = _eager_and_replayed(step)
+        assert _same(replayed, results[pdl])
+    assert _same([results["1"]], results["0"])
     q_host, h_host = (bf16_bits_to_float(results["0"][i]) for i in (1, 2))
     o_weight = cuda_backend.to_host(o_proj.weight)
     assert relative_error(h_host, REF.linear(q_host, REF.linear_weight(o_weight, None))) < BF16_TOL
@@ -156,34 +168,23 @@ extern "C" __global__ void late_copy(const unsigned short* src, unsigned short* 
 """
 
 
-def _late_gemv(cuda_backend, rng, launch_gemv):
-    """``launch_gemv(dst, layer)`` after late_copy(src -> dst) on a stream of its own, eagerly and replayed from a
-    graph: (the two results as bits, the plain launches' bits). dst holds zeros until late_copy writes it."""
+def _late_gemv(cuda_backend, rng, launch_gemv) -> tuple[list[np.ndarray], list[list[np.ndarray]], np.ndarray]:
+    """``launch_gemv(dst, layer)`` right after late_copy(src -> dst), dst zeroed before: ``_eager_and_replayed``'s
+    (eager, replayed) and the plain launch's bits."""
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
     n, k = 1536, 7168  # Kimi-K2's qkv_a-sized row: 3 passes + a partial one; 192 blocks
     layer = cuda_backend.linear_weight(bf16_random(rng, n, k, scale=0.05))
     src = cuda_backend.upload(bf16_random(rng, 1, k))
     late = cupy.RawKernel(LATE_COPY, "late_copy")
     want = cupy.asnumpy(cuda_backend.linear(src, layer))
-    results = []
-    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-    with cupy.cuda.using_allocator(pool.malloc), stream:
+
+    def step():
         dst = cupy.zeros((1, k), cupy.uint16)
         late((1,), (256,), (src, dst, np.int32(k), np.int64(1_000_000)))
-        results.append(cupy.asnumpy(launch_gemv(dst, layer)))
-        dst.fill(0)
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            late((1,), (256,), (src, dst, np.int32(k), np.int64(1_000_000)))
-            out = launch_gemv(dst, layer)
-        finally:
-            graph = stream.end_capture()
-        dst.fill(0)
-        stream.synchronize()
-        graph.launch(stream)
-        stream.synchronize()
-        results.append(cupy.asnumpy(out))
-    return results, want
+        return [launch_gemv(dst, layer)]
+
+    return (*_eager_and_replayed(step), want)
 
 
 def test_gemv_pdl_waits_for_a_late_writer(cuda_backend, rng, monkeypatch):
@@ -192,12 +193,10 @@ def test_gemv_pdl_waits_for_a_late_writer(cuda_backend, rng, monkeypatch):
     input as written: the plain launch's bits, eagerly and from a graph."""
     from openinfer.backend.cuda import linear as cuda_linear
 
-    if int(cupy.cuda.Device().compute_capability) < 90:
-        pytest.skip("programmatic dependent launch needs compute capability 9.0")
     monkeypatch.delenv(cuda_linear.DECODE_PDL_ENV, raising=False)
     monkeypatch.setenv(cuda_linear.GEMV_PDL_ENV, "1")
-    results, want = _late_gemv(cuda_backend, rng, cuda_backend.linear)
-    assert all(np.array_equal(got, want) for got in results)
+    eager, replayed, want = _late_gemv(cuda_backend, rng, cuda_backend.linear)
+    assert _same([eager, *replayed], [want])
 
 
 def test_gemv_pdl_late_writer_control(cuda_backend, rng):
@@ -207,9 +206,6 @@ def test_gemv_pdl_late_writer_control(cuda_backend, rng):
     from openinfer.backend.cuda.loader import kernel
     from openinfer.backend.cuda.pdl_launch import launch
 
-    if int(cupy.cuda.Device().compute_capability) < 90:
-        pytest.skip("programmatic dependent launch needs compute capability 9.0")
-
     def no_wait(x, layer):
         n, k = layer.weight.shape
         out = cupy.empty((1, n), cupy.uint16)
@@ -217,8 +213,8 @@ def test_gemv_pdl_late_writer_control(cuda_backend, rng):
                (x, layer.weight, NULL, out, np.int32(1), np.int32(n), np.int32(k)), after_previous=True)
         return out
 
-    results, want = _late_gemv(cuda_backend, rng, no_wait)
-    assert all(not np.array_equal(got, want) for got in results)
+    eager, replayed, want = _late_gemv(cuda_backend, rng, no_wait)
+    assert all(not np.array_equal(run[0], want) for run in [eager, *replayed])
 
 
 def test_silu_mul_add_gather(cuda_backend, rng):
