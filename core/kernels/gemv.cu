@@ -193,12 +193,6 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m8(GEMV_
     gemv_tile<8, 4, 1>(x, w, bias, y, M, N, K, blockIdx.x);
 }
 
-// gemv_m1_rms_scaled: y = rms_norm(x) @ w^T (+ bias) for one row with no normalised row in between (Kimi-K2's
-// q_a_norm + q_b: the norm a launch of its own before gemv_m1, ~5 us at batch 1 for a 3 KB row). A warp's
-// lanes walk the whole x row (16-byte chunks 8·lane + 256·j), so each warp sums x² itself, beside its column's
-// Σ x·g·w (fp32); the column's sum is scaled by rsqrt(Σx²/K + eps) at the end. The weight row's loads issue
-// first, as gemv_m1's (passes of RMS_SCALED_UNROLL, the partial last pass all at once). Not the bits of rms_norm
-// then gemv_m1 (that rounds the normalised row to bf16 twice): fp32 throughout, within bf16 rounding.
 // gemv_m1_rms_scaled's FMAs for a pass of raw weight words from k0 (those below K): Σ x² and Σ x·g·w, in k order.
 template <int UNROLL>
 __device__ __forceinline__ void rms_scaled_consume(const bf16* __restrict__ x, const bf16* __restrict__ norm_weight,
@@ -221,6 +215,12 @@ __device__ __forceinline__ void rms_scaled_consume(const bf16* __restrict__ x, c
     }
 }
 
+// gemv_m1_rms_scaled: y = rms_norm(x) @ w^T (+ bias) for one row with no normalised row in between (Kimi-K2's
+// q_a_norm + q_b: the norm a launch of its own before gemv_m1, ~5 us at batch 1 for a 3 KB row). A warp's
+// lanes walk the whole x row (16-byte chunks 8·lane + 256·j), so each warp sums x² itself, beside its column's
+// Σ x·g·w (fp32); the column's sum is scaled by rsqrt(Σx²/K + eps) at the end. The weight row's loads issue
+// first, as gemv_m1's (passes of RMS_SCALED_UNROLL, the partial last pass all at once). Not the bits of rms_norm
+// then gemv_m1 (that rounds the normalised row to bf16 twice): fp32 throughout, within bf16 rounding.
 #ifndef RMS_SCALED_UNROLL
 #define RMS_SCALED_UNROLL 6  // a pass of 6 loads (Kimi-K2's q_b: K = 1536 in one): 48 registers, 5 blocks an SM as gemv_m1
 #endif
@@ -234,8 +234,8 @@ gemv_m1_rms_scaled(const bf16* __restrict__ x, const bf16* __restrict__ norm_wei
     constexpr int STEP = 32 * 8, UNROLL = RMS_SCALED_UNROLL;
     float acc = 0.f, ss = 0.f;
     // DECODE_PDL: the first pass's weights in flight before the wait for x (decode_pdl.cuh). Every pass loads by
-    // decode_pdl_load_early there (one loop: a peeled first pass spilled 52 bytes at 48 registers, a flag 6); a
-    // Kimi-K2 q_b row (K = 1536) is one pass anyway.
+    // decode_pdl_load_early there (one loop; a Kimi-K2 q_b row, K = 1536, is one pass anyway). At its 48 registers
+    // ptxas keeps 8 bytes of this build's loop state on the stack (one L1 load a pass); a peeled first pass spilled 52.
     const int first = lane * 8;
     for (int k0 = first; k0 < K; k0 += UNROLL * STEP) {
         uint4 raw[UNROLL][1];
