@@ -177,7 +177,15 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
     const bf16 *__restrict__ x, const bf16 *__restrict__ w, const bf16 *__restrict__ bias,        \
         bf16 *__restrict__ y, int M, int N, int K
 
-extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m1(GEMV_ARGS) {
+// The DECODE_PDL build at the plain build's 48 registers, 5 blocks an SM (unbounded, its early loads took 54: 4 blocks,
+// o_proj's 896 blocks in 1.7 waves instead of 1.36); ptxas then keeps one word on the stack, stored and loaded once
+// before the wait.
+#if DECODE_PDL
+#define GEMV_M1_BOUNDS __launch_bounds__(WARPS_PER_BLOCK * 32, 5)
+#else
+#define GEMV_M1_BOUNDS __launch_bounds__(WARPS_PER_BLOCK * 32)
+#endif
+extern "C" __global__ void GEMV_M1_BOUNDS gemv_m1(GEMV_ARGS) {
     gemv_tile<1, 1, GEMV_M1_UNROLL, DECODE_PDL != 0>(x, w, bias, y, M, N, K, blockIdx.x);
 }
 

@@ -2,7 +2,7 @@
 $OPENINFER_DECODE_PDL): in the sm_90a SASS the one-row GEMVs issue their first pass of 16-byte weight loads BEFORE
 griddepcontrol.wait (ACQBULK), so a weight stream starts while the previous kernel finishes. With plain loads ptxas
 scheduled ACQBULK above every weight load (decode_pdl.cuh decode_pdl_load_early says why); the plain build has no
-griddepcontrol at all. Needs nvcc and cuobjdump (skipped without)."""
+griddepcontrol at all. Both at 48 registers (5 blocks an SM). Needs nvcc and cuobjdump (skipped without)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,18 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "core" / "kernels"
 FIRST_PASS = {"gemv_m1": 8, "gemv_m1_rms_scaled": 6}  # gemv.cu GEMV_M1_UNROLL, RMS_SCALED_UNROLL
 
 
-def sass(tmp_path: Path, pdl: int) -> dict[str, list[str]]:
-    """gemv.cu built for sm_90a with DECODE_PDL=``pdl``: each kernel's load / griddepcontrol instructions in order."""
+def sass(tmp_path: Path, pdl: int) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """gemv.cu built for sm_90a with DECODE_PDL=``pdl``: each kernel's load / griddepcontrol instructions in order,
+    and its registers (ptxas -v)."""
     nvcc, cuobjdump = shutil.which("nvcc"), shutil.which("cuobjdump")
     if nvcc is None or cuobjdump is None:
         pytest.skip("nvcc and cuobjdump needed")
     cubin = tmp_path / f"gemv{pdl}.cubin"
-    subprocess.run([nvcc, "-arch=sm_90a", "-std=c++17", f"-I{KERNEL_DIR}", f"-DDECODE_PDL={pdl}", "-cubin",
-                    str(KERNEL_DIR / "gemv.cu"), "-o", str(cubin)], check=True, capture_output=True, timeout=300)
+    build = subprocess.run([nvcc, "-arch=sm_90a", "-std=c++17", f"-I{KERNEL_DIR}", f"-DDECODE_PDL={pdl}", "-Xptxas",
+                            "-v", "-cubin", str(KERNEL_DIR / "gemv.cu"), "-o", str(cubin)], check=True,
+                           capture_output=True, text=True, timeout=300)
+    registers = {name: int(used) for name, used in re.findall(
+        r"Compiling entry function '(\w+)'.*?Used (\d+) registers", build.stderr, re.S)}
     text = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     kernels, name = {}, None
     for line in text.splitlines():
@@ -36,12 +40,13 @@ def sass(tmp_path: Path, pdl: int) -> dict[str, list[str]]:
             op = re.search(r"\b(LDG\.E\.128[\w.]*|ACQBULK|PREEXIT)\b", line)
             if op:
                 kernels[name].append(op.group(1))
-    return kernels
+    return kernels, registers
 
 
 def test_pdl_gemvs_load_weights_before_the_wait(tmp_path):
-    kernels = sass(tmp_path, 1)
+    kernels, registers = sass(tmp_path, 1)
     for name, unroll in FIRST_PASS.items():
+        assert registers[name] <= 48, registers  # 5 blocks of 256 threads an SM, as the plain build
         ops = kernels[name]
         wait = ops.index("ACQBULK")
         early = [op for op in ops[:wait] if op.startswith("LDG.E.128")]
@@ -50,5 +55,5 @@ def test_pdl_gemvs_load_weights_before_the_wait(tmp_path):
 
 
 def test_plain_build_has_no_griddepcontrol(tmp_path):
-    for name, ops in sass(tmp_path, 0).items():
+    for name, ops in sass(tmp_path, 0)[0].items():
         assert "ACQBULK" not in ops and "PREEXIT" not in ops, name
