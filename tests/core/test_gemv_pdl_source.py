@@ -2,7 +2,7 @@
 $OPENINFER_DECODE_PDL): in the sm_90a SASS the one-row GEMVs issue their first pass of 16-byte weight loads BEFORE
 griddepcontrol.wait (ACQBULK), so a weight stream starts while the previous kernel finishes. With plain loads ptxas
 scheduled ACQBULK above every weight load (decode_pdl.cuh decode_pdl_load_early says why); the plain build has no
-griddepcontrol at all. Both at 48 registers (5 blocks an SM). Needs nvcc and cuobjdump (skipped without)."""
+griddepcontrol at all. The two PDL GEMVs stay at 48 registers (5 blocks an SM, as plain). Needs nvcc and cuobjdump (skipped without)."""
 
 from __future__ import annotations
 
