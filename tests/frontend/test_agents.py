@@ -289,6 +289,7 @@ def test_streamed_forced_calls_reassemble_to_the_non_streamed_calls(served, fami
     """tool_choice required (parallel calls) and named, streamed: the same calls as not streamed
     (also when cut by max_tokens: the last call's arguments are then partial, as OpenAI's are)."""
     model = served[family]
+    pieces: list[int] = []
     for tool_choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
         body = {"tools": TOOLS, "tool_choice": tool_choice, "temperature": 1.0, "max_tokens": 300}
         for seed in range(2):
@@ -297,7 +298,11 @@ def test_streamed_forced_calls_reassemble_to_the_non_streamed_calls(served, fami
             assert streamed["raw_calls"] == raw_calls_of(whole.message) and whole.message.tool_calls
             assert streamed["finish_reason"] == whole.finish_reason
             if whole.finish_reason == "tool_calls":
-                assert min(streamed["argument_pieces"]) >= 2
+                assert min(streamed["argument_pieces"]) >= 1
+                pieces += streamed["argument_pieces"]
+    # arguments stream as written; tokens that reach the frontend between two reads merge into one delta,
+    # so on a loaded machine a short call may come whole (CI saw [17, 10, 1]): over the four requests, pieces
+    assert not pieces or max(pieces) >= 2, pieces
 
 
 @pytest.mark.parametrize("family", FAMILIES)
