@@ -213,27 +213,22 @@ moe_place_slots(const int* __restrict__ ids, int num_slots, int num_experts, con
 #if ROUTE_SHARED_EXPERTS < 0 || ROUTE_SHARED_EXPERTS > 16
 #error "ROUTE_SHARED_EXPERTS must be in 0 .. 16"
 #endif
-// One token's routing by the calling warp (the body of moe_route_warps and moe_route_sort): lane j < k + S
-// gets its row's entry j (*id, *weight; the last S the fused shared experts), other lanes *id = -1.
-__device__ __forceinline__ void warp_route_token(const float* __restrict__ row, const float* __restrict__ bias,
-                                                 int num_experts, int top_k, int scoring, int norm_topk,
-                                                 float scaling, int* id, float* weight) {
+// One token's scores in place from the lane's logits (score[i] of expert lane + 32 i, -inf past the experts):
+// route_score of each, softmax's max and sum over the warp. The first step of both warp routers (warp_route_token,
+// warp_route_token_keys): their scores are one computation.
+template <int R>
+__device__ __forceinline__ void warp_route_scores(float (&score)[R], int num_experts, int scoring) {
     const int lane = threadIdx.x & 31;
-    float score[ROUTE_PER_LANE], choice[ROUTE_PER_LANE];
     float logit_max = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
-        const int e = lane + 32 * i;
-        score[i] = e < num_experts ? row[e] : -INFINITY;
-        logit_max = fmaxf(logit_max, score[i]);
-    }
+    for (int i = 0; i < R; ++i) logit_max = fmaxf(logit_max, score[i]);
     if (scoring == 0) {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) logit_max = fmaxf(logit_max, __shfl_xor_sync(0xffffffffu, logit_max, o));
     }
     float local_sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+    for (int i = 0; i < R; ++i) {
         const int e = lane + 32 * i;
         if (e >= num_experts) continue;
         const float s = route_score(score[i], logit_max, scoring);
@@ -243,8 +238,40 @@ __device__ __forceinline__ void warp_route_token(const float* __restrict__ row, 
     if (scoring == 0) {
         const float total = warp_sum(local_sum);
 #pragma unroll
-        for (int i = 0; i < ROUTE_PER_LANE; ++i) score[i] /= total;
+        for (int i = 0; i < R; ++i) score[i] /= total;
     }
+}
+
+// The calling lane's entry of the token's row once the k picks are made (lane j < k holds pick j: my_id, my_score;
+// total: the picks' scores summed in pick order): the last step of both warp routers. Lane j < k + S gets entry j
+// (*id, *weight; the last S the fused shared experts, weight 1), other lanes *id = -1.
+__device__ __forceinline__ void warp_route_entry(int my_id, float my_score, float total, int num_experts, int top_k,
+                                                 int norm_topk, float scaling, int* id, float* weight) {
+    const int lane = threadIdx.x & 31;
+    const float norm = norm_topk ? 1.f / (total + 1e-20f) : 1.f;
+    *id = -1;
+    if (lane < top_k) {
+        *id = my_id;
+        *weight = my_score * norm * scaling;
+    } else if (lane < top_k + ROUTE_SHARED_EXPERTS) {
+        *id = num_experts + lane - top_k;
+        *weight = 1.f;
+    }
+}
+
+// One token's routing by the calling warp (the body of moe_route_warps and moe_route_sort): lane j < k + S
+// gets its row's entry j (*id, *weight; the last S the fused shared experts), other lanes *id = -1.
+__device__ __forceinline__ void warp_route_token(const float* __restrict__ row, const float* __restrict__ bias,
+                                                 int num_experts, int top_k, int scoring, int norm_topk,
+                                                 float scaling, int* id, float* weight) {
+    const int lane = threadIdx.x & 31;
+    float score[ROUTE_PER_LANE], choice[ROUTE_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        score[i] = e < num_experts ? row[e] : -INFINITY;
+    }
+    warp_route_scores(score, num_experts, scoring);
 #pragma unroll
     for (int i = 0; i < ROUTE_PER_LANE; ++i) {
         const int e = lane + 32 * i;
@@ -285,15 +312,7 @@ __device__ __forceinline__ void warp_route_token(const float* __restrict__ row, 
             my_score = picked;
         }
     }
-    const float norm = norm_topk ? 1.f / (total + 1e-20f) : 1.f;
-    *id = -1;
-    if (lane < top_k) {
-        *id = my_id;
-        *weight = my_score * norm * scaling;
-    } else if (lane < top_k + ROUTE_SHARED_EXPERTS) {
-        *id = num_experts + lane - top_k;
-        *weight = 1.f;
-    }
+    warp_route_entry(my_id, my_score, total, num_experts, top_k, norm_topk, scaling, id, weight);
 }
 
 extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
@@ -377,6 +396,55 @@ moe_add_rms_norm_route(const bf16* __restrict__ x, const bf16* __restrict__ resi
 // ---------------------------------------------------------------------------------------------
 #define ROUTE_SORT_WARPS 16
 #define ROUTE_SORT_MAX_SLOTS 2048
+// The grouping's steps shared by moe_route_sort (route_sort_block: a block) and moe_route_decode (its last block, one
+// warp scanning): each part of `parts` (a thread, a lane) takes a run of experts [first, last) of the E' = `grouped`,
+// counts its rows and 64-row tiles (expert_run), a scan over the parts gives the rows and tiles before the run, the run
+// is laid out in order (lay_out_expert_run: offsets, the tile list, count[e] = e's first row), then every slot is
+// placed by an atomic on its expert's next row (place_slots: each expert's slots in the order the atomics hand out).
+struct ExpertRun {
+    int first, last, rows, tiles;
+};
+
+__device__ __forceinline__ ExpertRun expert_run(const int* count, int grouped, int part, int parts) {
+    const int per_part = (grouped + parts - 1) / parts;
+    ExpertRun run;
+    run.first = min(grouped, part * per_part);
+    run.last = min(grouped, run.first + per_part);
+    run.rows = 0;
+    run.tiles = 0;
+    for (int e = run.first; e < run.last; ++e) {
+        run.rows += count[e];
+        run.tiles += (count[e] + GROUP_TILE_ROWS - 1) / GROUP_TILE_ROWS;
+    }
+    return run;
+}
+
+__device__ __forceinline__ void lay_out_expert_run(const ExpertRun& run, int row_before, int tile_before, int* count,
+                                                   int* __restrict__ offsets, int* __restrict__ tile_expert,
+                                                   int* __restrict__ tile_row, int max_tiles) {
+    for (int e = run.first; e < run.last; ++e) {
+        const int expert_rows = count[e];
+        offsets[e] = row_before;
+        for (int r = 0; r < expert_rows; r += GROUP_TILE_ROWS, ++tile_before)
+            if (tile_before < max_tiles) {
+                tile_expert[tile_before] = e;
+                tile_row[tile_before] = row_before + r;
+            }
+        count[e] = row_before;
+        row_before += expert_rows;
+    }
+}
+
+// After lay_out_expert_run and a barrier: slot i (expert slot_expert[i]) to its row, by the block's threads.
+__device__ __forceinline__ void place_slots(int num_slots, const int* slot_expert, int* count,
+                                            int* __restrict__ sorted_slots, int* __restrict__ slot_pos) {
+    for (int i = threadIdx.x; i < num_slots; i += blockDim.x) {
+        const int p = atomicAdd(&count[slot_expert[i]], 1);
+        sorted_slots[p] = i;
+        slot_pos[i] = p;
+    }
+}
+
 // moe_route_sort's body for the calling block (ROUTE_SORT_WARPS warps, at least E' threads): `logits` the
 // step's [T, E] rows (global or shared memory), `slot_expert` room for T·(k+S) ints, `count` GROUP_MAX_EXPERTS
 // ints, `scratch` 32 ints (the caller's shared memory).
@@ -405,40 +473,19 @@ __device__ __forceinline__ void route_sort_block(const float* logits, const floa
     __syncthreads();
     for (int i = tid; i < num_slots; i += blockDim.x) atomicAdd(&count[slot_expert[i]], 1);
     __syncthreads();
-    // experts' first rows and first tiles: thread tid holds the run of experts [first, last) (one each where
-    // the block has E' threads: moe_route_sort's 512; a warp takes ⌈E' / 32⌉ each), a block scan of the runs'
-    // rows and tiles, then each run walked in order
-    const int per_thread = (grouped + (int)blockDim.x - 1) / (int)blockDim.x;
-    const int first = min(grouped, tid * per_thread), last = min(grouped, first + per_thread);
-    int rows = 0, tiles = 0;
-    for (int e = first; e < last; ++e) {
-        rows += count[e];
-        tiles += (count[e] + GROUP_TILE_ROWS - 1) / GROUP_TILE_ROWS;
-    }
+    // experts' first rows and first tiles: thread tid holds a run of experts (one each where the block has E'
+    // threads: moe_route_sort's 512), a block scan of the runs' rows and tiles, then each run laid out in order
+    const ExpertRun run = expert_run(count, grouped, tid, (int)blockDim.x);
     int rows_total, tiles_total;
-    int row_before = block_exclusive_scan(rows, scratch, &rows_total);
-    int tile_before = block_exclusive_scan(tiles, scratch, &tiles_total);
-    for (int e = first; e < last; ++e) {
-        const int expert_rows = count[e];
-        offsets[e] = row_before;
-        for (int r = 0; r < expert_rows; r += GROUP_TILE_ROWS, ++tile_before)
-            if (tile_before < max_tiles) {
-                tile_expert[tile_before] = e;
-                tile_row[tile_before] = row_before + r;
-            }
-        count[e] = row_before;
-        row_before += expert_rows;
-    }
+    const int row_before = block_exclusive_scan(run.rows, scratch, &rows_total);
+    const int tile_before = block_exclusive_scan(run.tiles, scratch, &tiles_total);
+    lay_out_expert_run(run, row_before, tile_before, count, offsets, tile_expert, tile_row, max_tiles);
     if (tid == 0) {
         offsets[grouped] = rows_total;
         *num_tiles = min(tiles_total, max_tiles);
     }
     __syncthreads();
-    for (int i = tid; i < num_slots; i += blockDim.x) {
-        const int p = atomicAdd(&count[slot_expert[i]], 1);
-        sorted_slots[p] = i;
-        slot_pos[i] = p;
-    }
+    place_slots(num_slots, slot_expert, count, sorted_slots, slot_pos);
 }
 
 extern "C" __global__ void __launch_bounds__(ROUTE_SORT_WARPS * 32)
@@ -671,30 +718,9 @@ __device__ __forceinline__ void warp_route_token_keys(const float (&logit)[ROUTE
     const int lane = threadIdx.x & 31;
     float score[R];
     unsigned key[R];
-    float logit_max = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
-        score[i] = logit[i];
-        logit_max = fmaxf(logit_max, score[i]);
-    }
-    if (scoring == 0) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) logit_max = fmaxf(logit_max, __shfl_xor_sync(0xffffffffu, logit_max, o));
-    }
-    float local_sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-        const int e = lane + 32 * i;
-        if (e >= num_experts) continue;
-        const float s = route_score(score[i], logit_max, scoring);
-        if (scoring == 0) local_sum += s;
-        score[i] = s;
-    }
-    if (scoring == 0) {
-        const float total = warp_sum(local_sum);
-#pragma unroll
-        for (int i = 0; i < R; ++i) score[i] /= total;
-    }
+    for (int i = 0; i < R; ++i) score[i] = logit[i];
+    warp_route_scores(score, num_experts, scoring);
     // the lane's best remaining choice: highest key, lowest index on ties (i ascending, strictly greater)
     unsigned best_key = 0u;
     int best_index = 0x7fffffff;
@@ -735,15 +761,7 @@ __device__ __forceinline__ void warp_route_token_keys(const float (&logit)[ROUTE
             }
         }
     }
-    const float norm = norm_topk ? 1.f / (total + 1e-20f) : 1.f;
-    *id = -1;
-    if (lane < top_k) {
-        *id = my_id;
-        *weight = my_score * norm * scaling;
-    } else if (lane < top_k + ROUTE_SHARED_EXPERTS) {
-        *id = num_experts + lane - top_k;
-        *weight = 1.f;
-    }
+    warp_route_entry(my_id, my_score, total, num_experts, top_k, norm_topk, scaling, id, weight);
 }
 
 // moe_route_decode's counter zeroed by a kernel node (OPENINFER_MOE_ROUTE_DECODE_TICKET=kernel) instead of a memset node.
@@ -879,15 +897,9 @@ moe_route_decode(const bf16* __restrict__ x, const bf16* __restrict__ gate, int 
         }
     }
     __syncthreads();
-    if (warp == 0) {  // experts' rows and tiles: lane l the run [first, last), a warp scan of the runs, runs walked
-        const int per_lane = (grouped + 31) / 32;
-        const int first = min(grouped, lane * per_lane), end = min(grouped, first + per_lane);
-        int rows = 0, tiles = 0;
-        for (int g = first; g < end; ++g) {
-            rows += count[g];
-            tiles += (count[g] + GROUP_TILE_ROWS - 1) / GROUP_TILE_ROWS;
-        }
-        int rows_through = rows, tiles_through = tiles;
+    if (warp == 0) {  // experts' rows and tiles: lane l a run of experts, a warp scan of the runs, runs laid out
+        const ExpertRun run = expert_run(count, grouped, lane, 32);
+        int rows_through = run.rows, tiles_through = run.tiles;
 #pragma unroll
         for (int d = 1; d < 32; d <<= 1) {
             const int r = __shfl_up_sync(0xffffffffu, rows_through, d), s = __shfl_up_sync(0xffffffffu, tiles_through, d);
@@ -896,29 +908,15 @@ moe_route_decode(const bf16* __restrict__ x, const bf16* __restrict__ gate, int 
                 tiles_through += s;
             }
         }
-        int row_before = rows_through - rows, tile_before = tiles_through - tiles;
-        for (int g = first; g < end; ++g) {
-            const int expert_rows = count[g];
-            offsets[g] = row_before;
-            for (int r = 0; r < expert_rows; r += GROUP_TILE_ROWS, ++tile_before)
-                if (tile_before < max_tiles) {
-                    tile_expert[tile_before] = g;
-                    tile_row[tile_before] = row_before + r;
-                }
-            count[g] = row_before;
-            row_before += expert_rows;
-        }
+        lay_out_expert_run(run, rows_through - run.rows, tiles_through - run.tiles, count, offsets, tile_expert,
+                           tile_row, max_tiles);
         if (lane == 31) {
             offsets[grouped] = rows_through;
             *num_tiles = min(tiles_through, max_tiles);
         }
     }
     __syncthreads();
-    for (int i = tid; i < num_tokens * row_width; i += blockDim.x) {
-        const int p = atomicAdd(&count[slot_expert[i]], 1);
-        sorted_slots[p] = i;
-        slot_pos[i] = p;
-    }
+    place_slots(num_tokens * row_width, slot_expert, count, sorted_slots, slot_pos);
 }
 
 #ifndef MMA_HOST_STANDIN  // warp intrinsics beyond the host emulation's (__match_any_sync): GPU only
