@@ -147,6 +147,17 @@ class ExpertGroupingDevice:
     max_tiles: int
     top_k: int
 
+    @classmethod
+    def empty(cls, num_tokens: int, width: int, num_experts: int) -> ExpertGroupingDevice:
+        """Unwritten arrays for a routing kernel to fill: ``num_tokens`` rows of ``width`` slots (top-k plus fused
+        shared experts) over ``num_experts`` experts (routed plus shared), room for ``max_tiles`` GEMM tiles."""
+        num_slots = num_tokens * width
+        tiles = max_tiles(num_slots, num_experts)
+        return cls(cupy.empty((num_tokens, width), cupy.int32), cupy.empty((num_tokens, width), cupy.float32),
+                   cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32),
+                   cupy.empty(num_experts + 1, cupy.int32), cupy.empty(max(tiles, 1), cupy.int32),
+                   cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(1, cupy.int32), tiles, width)
+
 
 def max_tiles(num_slots: int, num_experts: int) -> int:
     """Upper bound of GEMM tiles: each active expert wastes at most one partial tile."""
@@ -313,14 +324,9 @@ def route_and_group(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | No
               else router_logits(x, layer.gate, spec, layer.tid2eid))
     if logits is None:
         return None
-    num_tokens, width = int(x.shape[0]), spec.top_k + shared
-    num_slots, num_experts = num_tokens * width, spec.num_experts + shared
-    tiles = max_tiles(num_slots, num_experts)
-    grouping = ExpertGroupingDevice(
-        cupy.empty((num_tokens, width), cupy.int32), cupy.empty((num_tokens, width), cupy.float32),
-        cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32), cupy.empty(num_experts + 1, cupy.int32),
-        cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(1, cupy.int32),
-        tiles, width)
+    num_tokens = int(x.shape[0])
+    grouping = ExpertGroupingDevice.empty(num_tokens, spec.top_k + shared, spec.num_experts + shared)
+    tiles = grouping.max_tiles
     defines = {"ROUTE_SHARED_EXPERTS": shared} if shared else {}
     bias = NULL if layer.correction_bias is None else layer.correction_bias
     if fused:  # logits, top-k and grouping in one launch; its ticket counter zeroed here
@@ -349,15 +355,9 @@ def route_decode(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | None 
     router, where the shared GEMV would take the SMs first)."""
     spec, shared = layer.router, layer.shared_experts
     num_tokens, hidden = int(x.shape[0]), int(x.shape[1])
-    width = spec.top_k + shared
-    num_slots, num_experts = num_tokens * width, spec.num_experts + shared
-    tiles = max_tiles(num_slots, num_experts)
-    grouping = ExpertGroupingDevice(
-        cupy.empty((num_tokens, width), cupy.int32), cupy.empty((num_tokens, width), cupy.float32),
-        cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32), cupy.empty(num_experts + 1, cupy.int32),
-        cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(1, cupy.int32),
-        tiles, width)
-    grid, defines = route_decode_shape(num_tokens, hidden, spec.num_experts, num_slots)
+    grouping = ExpertGroupingDevice.empty(num_tokens, spec.top_k + shared, spec.num_experts + shared)
+    tiles = grouping.max_tiles
+    grid, defines = route_decode_shape(num_tokens, hidden, spec.num_experts, int(grouping.sorted_slots.size))
     if shared:
         defines["ROUTE_SHARED_EXPERTS"] = shared
     logits = cupy.empty((num_tokens, spec.num_experts), cupy.float32)
