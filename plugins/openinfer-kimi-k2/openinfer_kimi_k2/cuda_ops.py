@@ -246,8 +246,9 @@ def cuda_moe_block(ops: Any, x: cupy.ndarray, residual: cupy.ndarray, post_norm:
                    next_norm: cupy.ndarray | None, layer: MoEWeights, batch: Any, eps: float) -> Any:
     """``cuda_moe.moe_block`` (the post-attention norm and the routing in one launch) where $OPENINFER_MOE_ROUTE_NORM
     asks and it fits (the shared experts fused or absent); else None (the caller runs the ops apart)."""
+    from openinfer.backend.cuda import moe_routing
     if (not isinstance(layer.stacked, DeviceMoE) or layer.shared is not None
-            or not cuda_moe.route_norm_wanted(x, layer.stacked)):
+            or not moe_routing.route_norm_wanted(x, layer.stacked)):
         return None
     return cuda_moe.moe_block(ops, x, residual, post_norm, eps, layer.stacked, next_norm)
 
