@@ -13,7 +13,6 @@
 // Needs hidden % 8 == 0 and 16-byte aligned rows for the router (the caller checks).
 #include "mma.cuh"
 #include "moe_route.cuh"  // route_score
-#include "rms_norm.cuh"   // normalize_row
 #include "decode_pdl.cuh"  // DECODE_PDL: the decode routers
 
 #ifndef ROUTER_STAGES
@@ -199,7 +198,7 @@ moe_place_slots(const int* __restrict__ ids, int num_slots, int num_experts, con
 }
 
 // ---------------------------------------------------------------------------------------------
-// The warp router (moe_route_sort, moe_add_rms_norm_route): moe_route's scores and top-k for routers without expert
+// The warp router (moe_route_sort): moe_route's scores and top-k for routers without expert
 // groups (n_group 1: Moonlight, Kimi-K2), a warp per token. Lane l holds experts l + 32 i in registers; top-k by
 // repeated warp argmax, lowest index on ties, the picks' scores summed in pick order: the same ids and (sigmoid,
 // sqrt-softplus) the same weights as moe_route.
@@ -257,7 +256,7 @@ __device__ __forceinline__ void warp_route_entry(int my_id, float my_score, floa
     }
 }
 
-// One token's routing by the calling warp (the body of moe_route_sort and moe_add_rms_norm_route): lane j < k + S
+// One token's routing by the calling warp (the body of moe_route_sort): lane j < k + S
 // gets its row's entry j (*id, *weight; the last S the fused shared experts), other lanes *id = -1.
 __device__ __forceinline__ void warp_route_token(const float* __restrict__ row, const float* __restrict__ bias,
                                                  int num_experts, int top_k, int scoring, int norm_topk,
@@ -311,59 +310,6 @@ __device__ __forceinline__ void warp_route_token(const float* __restrict__ row, 
         }
     }
     warp_route_entry(my_id, my_score, total, num_experts, top_k, norm_topk, scaling, id, weight);
-}
-
-// ---------------------------------------------------------------------------------------------
-// moe_add_rms_norm_route: a decode step's post-attention add_rms_norm, the router logits and the top-k in one
-// launch (one block per token; three launches apart: add_rms_norm, moe_router_logits, moe_route). The same
-// arithmetic as each: rms_norm.cu add_rms_norm's sums (the caller gives its block size), moe.cu
-// moe_router_logits' (a warp per expert, 8-wide lane strides, warp_sum) into shared memory, then
-// warp_route_token (the same ids and weights as moe_route). Routers without expert groups;
-// 16-byte aligned rows, features % 8 == 0, at most GROUP_MAX_EXPERTS experts (the caller checks).
-// ---------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(1024)
-moe_add_rms_norm_route(const bf16* __restrict__ x, const bf16* __restrict__ residual,
-                       const bf16* __restrict__ norm_weight, bf16* out, bf16* __restrict__ residual_out, int features,
-                       float eps, const bf16* __restrict__ gate, const float* __restrict__ bias /* [E] or null */,
-                       int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
-                       float* __restrict__ weights) {
-    __shared__ float logits[GROUP_MAX_EXPERTS];
-    const size_t t = blockIdx.x;
-    const bf16* xr = x + t * features;
-    const bf16* rr = residual + t * features;
-    bf16* ro = residual_out + t * features;
-    bf16* o = out + t * features;
-    for (int c = threadIdx.x; c < features; c += blockDim.x)
-        ro[c] = __float2bfloat16_rn(__bfloat162float(xr[c]) + __bfloat162float(rr[c]));
-    __syncthreads();
-    normalize_row(ro, norm_weight, o, features, eps);  // rms_norm.cu add_rms_norm's bits
-    __syncthreads();  // the normed row is whole (this block's global writes, seen by its threads after the barrier)
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    for (int e = warp; e < num_experts; e += warps) {
-        const bf16* w = gate + (long long)e * features;
-        float acc = 0.f;
-#pragma unroll 8  // the row's loads in flight together (a hidden of 2048: all 8 rounds); the sums in order
-        for (int i = lane * 8; i < features; i += 32 * 8) {
-            float a[8], b[8];
-            load8(o + i, a);
-            load8(w + i, b);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc += a[j] * b[j];
-        }
-        acc = warp_sum(acc);
-        if (lane == 0) logits[e] = acc;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        int id;
-        float weight;
-        warp_route_token(logits, bias, num_experts, top_k, scoring, norm_topk, scaling, &id, &weight);
-        const int row_width = top_k + ROUTE_SHARED_EXPERTS;
-        if (lane < row_width) {
-            ids[t * row_width + lane] = id;
-            weights[t * row_width + lane] = weight;
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -643,39 +643,6 @@ def test_moe_forward_add_norm_equals_unfused(cuda_backend, rng, monkeypatch, tok
     assert _equal(eager, plain) and _equal(replay, plain)
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 16, 64])
-def test_moe_block_route_norm_equals_unfused(cuda_backend, rng, monkeypatch, tokens):
-    """OPENINFER_MOE_ROUTE_NORM: moe_add_rms_norm_route gives add_rms_norm's h and residual and route(h)'s ids and
-    weights bit for bit (fused shared experts appended); moe_block equals add_rms_norm -> moe_forward (-> the next
-    add_rms_norm), also with the combine fused into that norm, eagerly and as a CUDA graph replay; a bad value is a
-    clear error."""
-    from openinfer.backend.cuda import moe_routing
-    hidden, inter, eps = 512, 128, 1e-6
-    moe, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
-    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
-    residual = cuda_backend.upload(bf16_random(rng, tokens, hidden))
-    post_norm, next_norm = (cuda_backend.weight(bf16_random(rng, hidden, scale=0.5)) for _ in range(2))
-    h_ref, residual_ref = cuda_backend.add_rms_norm(x, residual, post_norm, eps)
-    ids_ref, weights_ref = moe_routing.route(h_ref, fused.gate, fused.router, fused.correction_bias,
-                                     shared_experts=fused.shared_experts)
-    monkeypatch.setenv(moe_routing.ROUTE_NORM_ENV, "1")
-    assert moe_routing.route_norm_wanted(x, fused)
-    h, residual_out, ids, weights = moe_routing.add_rms_norm_route(x, residual, post_norm, eps, fused)
-    for ours, ref in ((h, h_ref), (residual_out, residual_ref), (ids, ids_ref), (weights, weights_ref)):
-        assert np.array_equal(ours.get(), ref.get())
-    moe_out = moe.moe_forward(cuda_backend, h_ref, fused)
-    plain = (moe_out.get(), residual_ref.get())
-    plain_next = _host(cuda_backend.add_rms_norm(moe_out, residual_ref, next_norm, eps))
-    assert _equal(_host(moe.moe_block(cuda_backend, x, residual, post_norm, eps, fused)), plain)
-    for combine_norm in ("0", "1"):
-        monkeypatch.setenv(moe.COMBINE_NORM_ENV, combine_norm)
-        eager, replay = _replayed(lambda: moe.moe_block(cuda_backend, x, residual, post_norm, eps, fused, next_norm))
-        assert _equal(eager, plain_next) and _equal(replay, plain_next)
-    monkeypatch.setenv(moe_routing.ROUTE_NORM_ENV, "sometimes")
-    with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_NORM"):
-        moe_routing.route_norm_wanted(x, fused)
-
-
 @pytest.mark.parametrize("gemv_kernel", ["mma", "mma_split4", "mma_split4_depth4", "mma_split4_depth8"])
 @pytest.mark.parametrize("rows", [2, 16, 32])
 def test_kimi_dense_gemv_matches_numpy(cuda_backend, rng, monkeypatch, gemv_kernel, rows):

@@ -59,7 +59,6 @@ from openinfer.backend.cuda.moe_routing import (
     NULL,
     ExpertGroupingDevice,
     _switch,
-    add_rms_norm_route,
     fast_routing,
     group_by_expert,
     route,
@@ -1213,24 +1212,6 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     return backend.add_rms_norm(combine(y, grouping, shared, int(x.shape[1])), residual, weight, eps)
 
 
-
-def moe_block(backend, x: cupy.ndarray, residual: cupy.ndarray, post_norm: cupy.ndarray, eps: float, layer: DeviceMoE,
-              next_norm: cupy.ndarray | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
-    """A decode step's MoE block from the attention's output ``x``: ``h, residual = add_rms_norm(x, residual,
-    post_norm)`` fused with the routing (``add_rms_norm_route``), the experts, then ``(moe(h), residual)``, or with
-    ``next_norm`` the next layer's ``add_rms_norm(moe(h), residual, next_norm)`` pair (the combine fused into it
-    where ``combine_norm_wanted``). The caller checks ``route_norm_wanted`` and that the layer's shared experts are
-    fused or absent."""
-    h, residual, ids, weights = add_rms_norm_route(x, residual, post_norm, eps, layer)
-    grouping = group_by_expert(ids, weights, layer.router.num_experts + layer.shared_experts)
-    with rotated_units(layer.shared_experts if l2_prefetch_mode() != "off" else 0):
-        y = routed_experts(backend, h, layer.gate_up, layer.down, grouping)
-    hidden = int(x.shape[1])
-    if next_norm is None:
-        return combine(y, grouping, None, hidden), residual
-    if combine_norm_wanted(int(x.shape[0])):
-        return combine_add_rms_norm(y, grouping, None, residual, next_norm, eps)
-    return backend.add_rms_norm(combine(y, grouping, None, hidden), residual, next_norm, eps)
 
 # OPENINFER_MOE_GEMV_SILU (default on for moe_gemv_wide, =1 also the tiled INT4 GEMV, =0 off): where a decode
 # step's gate_up runs moe_gemv_wide or (asked for) a tiled INT4 decode GEMV
