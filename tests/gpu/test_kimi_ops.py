@@ -18,7 +18,7 @@ from openinfer.quant import (
     quantize_fp8_block,
     quantize_int4_group,
 )
-from tests.gpu.conftest import bf16_random, relative_error
+from tests.gpu.conftest import bf16_random, moe_router_case, relative_error
 from tests.gpu.mla_steps import ragged_mla_step
 
 cupy = pytest.importorskip("cupy")
@@ -121,13 +121,14 @@ def test_route_sort_matches_numpy(cuda_backend, cuda_moe, rng, monkeypatch, toke
     against NumPy's fp32 logits and route and moe_sort_parallel's layout of its ids (fused shared experts' columns
     too); three eager calls and two graph replays alike."""
     from openinfer.backend.cuda import moe_routing
-    moe = cuda_moe
-    router = RouterSpec(experts, top_k, scoring, norm_topk_prob=scoring != "softmax", routed_scaling_factor=2.446)
-    x, gate = bf16_random(rng, tokens, hidden), bf16_random(rng, experts, hidden, scale=0.05)
-    bias = None if scoring == "softmax" else (0.3 * rng.standard_normal(experts)).astype(np.float32)
-    x_device, gate_device = cuda_backend.upload(x), cuda_backend.weight(gate)
-    layer = moe.DeviceMoE(router, gate_device, None if bias is None else cupy.asarray(bias), None, None,
-                          shared_experts=shared)
+    from openinfer.backend.cuda.bf16 import bf16_bits_to_float
+
+    layer = moe_router_case(cuda_backend, rng, experts, top_k, hidden, scoring=scoring, shared=shared, gate_scale=0.05)
+    router, gate_device = layer.router, layer.gate
+    gate = bf16_bits_to_float(gate_device.get())
+    bias = None if layer.correction_bias is None else layer.correction_bias.get()
+    x = bf16_random(rng, tokens, hidden)
+    x_device = cuda_backend.upload(x)
     reference = x @ gate.T
     scale = np.abs(reference).max()
     logits = moe_routing.router_logits(x_device, gate_device, router)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from openinfer.moe import RouterSpec
-from tests.gpu.conftest import bf16_random, relative_error
+from tests.gpu.conftest import bf16_random, moe_router_case, relative_error
 from tests.gpu.test_kimi_ops import _expert_rows_reference, _expert_weights
 
 cupy = pytest.importorskip("cupy")
@@ -386,13 +386,9 @@ def test_route_sort_equals_route_then_sort(cuda_backend, cuda_moe, rng, monkeypa
     path, eagerly and replayed from a CUDA graph."""
     from openinfer.backend.cuda import moe_routing
     moe = cuda_moe
-    hidden, inter = 256, 64
-    router = RouterSpec(experts, top_k, scoring, norm_topk_prob=scoring != "softmax", routed_scaling_factor=2.446)
-    gate_up, _ = _expert_weights(rng, "bf16", experts + shared, 2 * inter, hidden)
-    down, _ = _expert_weights(rng, "bf16", experts + shared, hidden, inter)
-    bias = None if scoring == "softmax" else cupy.asarray((0.3 * rng.standard_normal(experts)).astype(np.float32))
-    layer = moe.DeviceMoE(router, cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1)), bias,
-                          gate_up, down, shared_experts=shared)
+    hidden = 256
+    layer = moe_router_case(cuda_backend, rng, experts, top_k, hidden, scoring=scoring, shared=shared, inter=64)
+    router, bias = layer.router, layer.correction_bias
     x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
     monkeypatch.setenv(moe_routing.ROUTE_SORT_ENV, "1")
     assert moe_routing.route_sort_wanted(tokens, router, None, shared)

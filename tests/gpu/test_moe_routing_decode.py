@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.gpu.conftest import bf16_random
+from tests.gpu.conftest import bf16_random, moe_router_case
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -41,16 +41,9 @@ def test_route_before_shared_equals_inline(cuda_backend, rng, monkeypatch, token
     launched first) and OPENINFER_MOE_SHARED_AFTER_ROUTE=1 ("after") give the bits of the shared expert forked
     before the routing ("before", the default) and of the shared expert inline, eagerly and from a graph."""
     from openinfer.backend.cuda import moe, moe_routing
-    from openinfer.moe import RouterSpec
 
-    hidden, inter, experts = 256, 64, 16
-    weights = {name: cuda_backend.weight(bf16_random(rng, experts, rows, cols, scale=0.05))
-               for name, rows, cols in (("gate_up", 2 * inter, hidden), ("down", hidden, inter))}
-    layer = moe.DeviceMoE(RouterSpec(experts, 4, "sigmoid", routed_scaling_factor=2.5),
-                          cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1)),
-                          cupy.asarray((0.1 * rng.standard_normal(experts)).astype(np.float32)),
-                          moe.ExpertLinear("bf16", weights["gate_up"], None, 2 * inter, hidden),
-                          moe.ExpertLinear("bf16", weights["down"], None, hidden, inter))
+    hidden, inter = 256, 64
+    layer = moe_router_case(cuda_backend, rng, 16, 4, hidden, scaling=2.5, inter=inter, bias_scale=0.1)
     shared_up = cuda_backend.linear_weight(bf16_random(rng, 2 * inter, hidden, scale=0.05))
     shared_down = cuda_backend.linear_weight(bf16_random(rng, hidden, inter, scale=0.05))
     x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
@@ -103,19 +96,11 @@ def test_route_decode_equals_two_launches(cuda_backend, rng, monkeypatch, tokens
     set (slot_pos their inverse); moe_forward gives the same bits with it, eagerly and replayed from a CUDA graph
     (the ticket counter zeroed per call)."""
     from openinfer.backend.cuda import moe, moe_routing
-    from openinfer.moe import RouterSpec
 
-    router = RouterSpec(experts, top_k, scoring, norm_topk_prob=scoring != "softmax", routed_scaling_factor=2.446)
-    inter = 64
     experts_run = experts * hidden <= 64 * 2048  # moe_forward too (the expert stacks' size)
-    width = hidden if experts_run else 8
-    gate_up = moe.ExpertLinear("bf16", cuda_backend.weight(bf16_random(rng, experts + shared, 2 * inter, width,
-                                                                       scale=0.05)), None, 2 * inter, width)
-    down = moe.ExpertLinear("bf16", cuda_backend.weight(bf16_random(rng, experts + shared, width, inter, scale=0.05)),
-                            None, width, inter)
-    bias = None if scoring == "softmax" else cupy.asarray((0.3 * rng.standard_normal(experts)).astype(np.float32))
-    layer = moe.DeviceMoE(router, cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.05)), bias,
-                          gate_up, down, shared_experts=shared)
+    layer = moe_router_case(cuda_backend, rng, experts, top_k, hidden, scoring=scoring, shared=shared, inter=64,
+                            expert_width=hidden if experts_run else 8, gate_scale=0.05)
+    router, bias = layer.router, layer.correction_bias
     x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
     monkeypatch.setenv(moe_routing.ROUTE_SORT_ENV, "1")
     monkeypatch.setenv(moe_routing.ROUTE_DECODE_ENV, "0")
@@ -211,15 +196,10 @@ def test_route_decode_wanted_bounds(cuda_backend, rng, monkeypatch):
 def test_route_decode_ticket(cuda_backend, rng, monkeypatch):
     """moe_route_decode's counter, zeroed per call by a kernel node (``route_decode_ticket``), is back at zero after
     the call (its last block puts it back): one counter also serves calls in a row, with the same routes."""
-    from openinfer.backend.cuda import moe, moe_routing
-    from openinfer.moe import RouterSpec
+    from openinfer.backend.cuda import moe_routing
 
-    hidden, experts, shared = 512, 64, 2
-    layer = moe.DeviceMoE(RouterSpec(experts, 6, "sigmoid", routed_scaling_factor=2.446),
-                          cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1)),
-                          cupy.asarray((0.1 * rng.standard_normal(experts)).astype(np.float32)), None, None,
-                          shared_experts=shared)
-    x = cuda_backend.upload(bf16_random(rng, 16, hidden))
+    layer = moe_router_case(cuda_backend, rng, 64, 6, 512, shared=2, bias_scale=0.1)
+    x = cuda_backend.upload(bf16_random(rng, 16, 512))
     monkeypatch.setenv(moe_routing.ROUTE_DECODE_ENV, "1")
     ticket = moe_routing.route_decode_ticket()
     assert int(ticket.get()[0]) == 0
