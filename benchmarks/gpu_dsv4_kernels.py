@@ -307,7 +307,7 @@ def breakdown(backend, kind: str, moe, batch: int, context: int, fp8: bool = Fal
     from openinfer_deepseek_v4 import cuda_experts, cuda_ops
     from openinfer_deepseek_v4.cuda_linears import linear
 
-    from openinfer.backend.cuda import moe as core_moe
+    from openinfer.backend.cuda import moe_routing
 
     model, _ = build_model(backend, kind, moe, context + BLOCK, fp8)
     kv_cache, step, _, _ = decode_setup(backend, model, batch, context)
@@ -335,8 +335,8 @@ def breakdown(backend, kind: str, moe, batch: int, context: int, fp8: bool = Fal
         projections += [(qr, attn.indexer.wq_b), (x, attn.indexer.weights_proj), (x, attn.indexer.compressor.wkv),
                         (x, attn.indexer.compressor.wgate)]
     ffn = layer.ffn
-    ids, weights = core_moe.route(x, moe_device.gate, ffn.router, moe_device.correction_bias)
-    grouping = core_moe.group_by_expert(ids, weights, ffn.router.num_experts)
+    ids, weights = moe_routing.route(x, moe_device.gate, ffn.router, moe_device.correction_bias)
+    grouping = moe_routing.group_by_expert(ids, weights, ffn.router.num_experts)
     hidden_rows = bf16_random((grouping.sorted_slots.size, ffn.stacked[1].in_features))
 
     def shared() -> None:
@@ -349,9 +349,9 @@ def breakdown(backend, kind: str, moe, batch: int, context: int, fp8: bool = Fal
             lambda: [linear(backend, a, w) for a, w in projections]),
         "moe (route + FP4 experts + shared)": graph_seconds(
             lambda: cuda_experts.moe_layer(backend, x, ffn, moe_device, device.token_ids)),
-        "moe: router (core moe_route)": graph_seconds(lambda: core_moe.route(x, moe_device.gate, ffn.router,
+        "moe: router (core moe_route)": graph_seconds(lambda: moe_routing.route(x, moe_device.gate, ffn.router,
                                                                              moe_device.correction_bias)),
-        "moe: grouping (core moe_sort)": graph_seconds(lambda: core_moe.group_by_expert(ids, weights,
+        "moe: grouping (core moe_sort)": graph_seconds(lambda: moe_routing.group_by_expert(ids, weights,
                                                                                         ffn.router.num_experts)),
         "moe: FP4 gate_up": graph_seconds(lambda: cuda_experts.grouped_gemm(x, moe_device.gate_up, grouping, True)),
         "moe: FP4 down": graph_seconds(lambda: cuda_experts.grouped_gemm(hidden_rows, moe_device.down, grouping,
@@ -457,13 +457,13 @@ def fp4_gemms(backend, moe, batch: int, bandwidth: float) -> list[dict]:
     import cupy
     from openinfer_deepseek_v4 import cuda_experts
 
-    from openinfer.backend.cuda import moe as core_moe
+    from openinfer.backend.cuda import moe_routing
 
     router = moe.router
     rng = np.random.default_rng(batch)
     ids = np.stack([rng.permutation(router.num_experts)[:router.top_k] for _ in range(batch)]).astype(np.int32)
     touched = len(np.unique(ids))
-    grouping = core_moe.group_by_expert(cupy.asarray(ids), cupy.asarray(rng.random(ids.shape, np.float32)),
+    grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.asarray(rng.random(ids.shape, np.float32)),
                                         router.num_experts)
     rows = []
     for name, weight, gather in (("gate_up", moe.stacked[0], True), ("down", moe.stacked[1], False)):

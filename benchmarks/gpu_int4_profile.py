@@ -20,7 +20,7 @@ def main() -> None:
     import cupy
     from gpu_kimi import KIMI_LAYER, random_int4
 
-    from openinfer.backend.cuda import CudaBackend
+    from openinfer.backend.cuda import CudaBackend, moe_routing
     from openinfer.backend.cuda import moe as cuda_moe
 
     kernels = sys.argv[1].split(",") if len(sys.argv) > 1 else ["groups_norot"]
@@ -31,7 +31,7 @@ def main() -> None:
     down = cuda_moe.tiled_int4(random_int4(backend, experts, hidden, inter), "lane_groups")
     rng = np.random.default_rng(0)
     ids = rng.choice(experts, top_k, replace=False)[None].astype(np.int32)
-    grouping = cuda_moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), experts)
+    grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), experts)
     x = backend.upload(rng.standard_normal((1, hidden)).astype(np.float32))
     order = []
     for _ in range(repeats):

@@ -363,6 +363,7 @@ def bench_grouped_experts(backend, rng) -> list[dict]:
     import cupy
 
     from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.backend.cuda import moe_routing
     from openinfer.backend.cuda.moe import ExpertLinear
     from openinfer.tools.ledger import gpu_seconds
 
@@ -374,7 +375,7 @@ def bench_grouped_experts(backend, rng) -> list[dict]:
     points = []
     for tokens in GROUPED_TOKENS:
         ids = np.stack([rng.choice(experts, c["top_k"], replace=False) for _ in range(tokens)]).astype(np.int32)
-        grouping = cuda_moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), experts)
+        grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), experts)
         x = backend.upload(rng.standard_normal((tokens, k)).astype(np.float32))
         point = {"tokens": tokens, "active_experts": int(np.unique(ids).size)}
         outs = {}
@@ -504,7 +505,7 @@ def run_gemv(args) -> dict:
     """Decode GEMV kernels (moe_gemv vs the opt-in GEMV_KERNELS) at Kimi-K2 shapes, see the docstring."""
     import cupy
 
-    from openinfer.backend.cuda import CudaBackend
+    from openinfer.backend.cuda import CudaBackend, moe_routing
     from openinfer.backend.cuda import moe as cuda_moe
     from openinfer.backend.cuda.moe import ExpertLinear
 
@@ -552,7 +553,7 @@ def run_gemv(args) -> dict:
     small_int4 = random_int4(backend, 4, 128, 256)
     small_bf16 = ExpertLinear("bf16", device_random_bf16((4, 128, 256)), None, 128, 256)
     small_x = backend.upload(np.ones((8, 256), np.float32))
-    small_grouping = cuda_moe.group_by_expert(cupy.asarray(np.arange(8, dtype=np.int32).reshape(4, 2) % 4),
+    small_grouping = moe_routing.group_by_expert(cupy.asarray(np.arange(8, dtype=np.int32).reshape(4, 2) % 4),
                                               cupy.ones((4, 2), cupy.float32), 4)
     warm_kernels([partial(cuda_moe.quantized_linear, small_x, weight, backend.blas, "gemv", gemv_kernel=name)
                   for weight in (small_fp8, small_int4.expert(0)) for name in kernels]
@@ -607,7 +608,7 @@ def run_gemv(args) -> dict:
             groupings, active = [], []
             for _ in range(GEMV_CALLS):
                 ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
-                groupings.append(cuda_moe.group_by_expert(cupy.asarray(ids.astype(np.int32)),
+                groupings.append(moe_routing.group_by_expert(cupy.asarray(ids.astype(np.int32)),
                                                           cupy.ones(ids.shape, cupy.float32), experts))
                 active.append(np.unique(ids).size)
             rows = tokens if gather else tokens * top_k
@@ -663,7 +664,7 @@ def run_experts(args) -> dict:
     """Moonlight's routed experts, gate_up (+ SiLU·mul) and down, by grouped kernel; see EXPERT_VARIANTS."""
     import cupy
 
-    from openinfer.backend.cuda import CudaBackend, moe_sm90
+    from openinfer.backend.cuda import CudaBackend, moe_routing, moe_sm90
     from openinfer.backend.cuda import moe as cuda_moe
     from openinfer.backend.cuda.moe import ExpertLinear
     from openinfer.moe import RouterSpec
@@ -732,7 +733,7 @@ def run_experts(args) -> dict:
         groupings, active = [], []
         for _ in range(GEMV_CALLS if tokens <= EXPERTS_GRAPH_MAX_TOKENS else 2):
             ids = np.stack([rng.choice(c["experts"], c["top_k"], replace=False) for _ in range(tokens)])
-            groupings.append(cuda_moe.group_by_expert(cupy.asarray(ids.astype(np.int32)),
+            groupings.append(moe_routing.group_by_expert(cupy.asarray(ids.astype(np.int32)),
                                                       cupy.ones(ids.shape, cupy.float32), c["experts"]))
             active.append(np.unique(ids).size)
         x = backend.upload(rng.standard_normal((tokens, c["hidden"])).astype(np.float32) * 0.5)
@@ -766,23 +767,23 @@ def run_experts(args) -> dict:
         point["fastest"] = min(outputs, key=lambda name: point[f"{name}_us"])
         # the rest of the routed path: router + top-k (moe_route), grouping (moe_sort_parallel), combine
         y_rows = device_random_bf16((tokens * c["top_k"], c["hidden"]))
-        ids, weights = cuda_moe.route(x, router_gate, router, router_bias)
-        grouping = cuda_moe.group_by_expert(ids, weights, c["experts"])
-        logits = cuda_moe.router_logits(x, router_gate, router)
-        parts = {"route": partial(cuda_moe.route, x, router_gate, router, router_bias),
-                 "group": partial(cuda_moe.group_by_expert, ids, weights, c["experts"]),
+        ids, weights = moe_routing.route(x, router_gate, router, router_bias)
+        grouping = moe_routing.group_by_expert(ids, weights, c["experts"])
+        logits = moe_routing.router_logits(x, router_gate, router)
+        parts = {"route": partial(moe_routing.route, x, router_gate, router, router_bias),
+                 "group": partial(moe_routing.group_by_expert, ids, weights, c["experts"]),
                  "combine": partial(cuda_moe.combine, y_rows, grouping, None, c["hidden"])}
         # the route's two kernels apart (router logits, then scores + top-k) and the opt-in prefill kernels
         # (moe_routing.cu): not summed again
-        halves = {"route_logits": partial(cuda_moe.router_logits, x, router_gate, router, mma=False),
-                  "route_logits_mma": partial(cuda_moe.router_logits, x, router_gate, router, mma=True),
-                  "route_select": partial(cuda_moe.select_experts, x, router_gate, router, router_bias, logits,
+        halves = {"route_logits": partial(moe_routing.router_logits, x, router_gate, router, mma=False),
+                  "route_logits_mma": partial(moe_routing.router_logits, x, router_gate, router, mma=True),
+                  "route_select": partial(moe_routing.select_experts, x, router_gate, router, router_bias, logits,
                                           narrow=False),
-                  "route_select_narrow": partial(cuda_moe.select_experts, x, router_gate, router, router_bias, logits,
+                  "route_select_narrow": partial(moe_routing.select_experts, x, router_gate, router, router_bias, logits,
                                                  narrow=True),
-                  "group_single_block": partial(cuda_moe.group_by_expert, ids, weights, c["experts"],
+                  "group_single_block": partial(moe_routing.group_by_expert, ids, weights, c["experts"],
                                                 per_expert_blocks=False),
-                  "group_blocks": partial(cuda_moe.group_by_expert, ids, weights, c["experts"], per_expert_blocks=True)}
+                  "group_blocks": partial(moe_routing.group_by_expert, ids, weights, c["experts"], per_expert_blocks=True)}
         for part, call in {**parts, **halves}.items():
             if point["graph"]:
                 point[f"routing_{part}_us"] = 1e6 * graph_call_seconds([call] * 4)[0]
@@ -1048,6 +1049,7 @@ def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x
 
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.backend.cuda import moe_routing
 
     c = KIMI_LAYER
     mla = partial(cuda_mla.mla_forward, backend.blas)
@@ -1064,9 +1066,9 @@ def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x
     h = backend.linear(attn, attention["o_proj"])
     shared_hidden = backend.linear(h, shared[0])
     shared_out = backend.silu_mul_linear(shared_hidden, shared[1])
-    logits = cuda_moe.router_logits(h, moe.gate, moe.router)
-    ids, weights = cuda_moe.select_experts(h, moe.gate, moe.router, moe.correction_bias, logits)
-    grouping = cuda_moe.group_by_expert(ids, weights, moe.router.num_experts)
+    logits = moe_routing.router_logits(h, moe.gate, moe.router)
+    ids, weights = moe_routing.select_experts(h, moe.gate, moe.router, moe.correction_bias, logits)
+    grouping = moe_routing.group_by_expert(ids, weights, moe.router.num_experts)
     gate_up = cuda_moe.grouped_gemm(h, moe.gate_up, grouping, gather=True, blas=backend.blas)
     activated = backend.silu_mul(gate_up)
     y = cuda_moe.grouped_gemm(activated, moe.down, grouping, gather=False, blas=backend.blas)
@@ -1090,11 +1092,11 @@ def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x
         ("shared_silu+down", partial(backend.silu_mul_linear, shared_hidden, shared[1])),
         # route = moe_router_logits (the [E, H] product over blocks) + moe_route (scores, top-k), then the grouping
         # (or, where moe_forward takes it, router logits + moe_route_sort: route_and_group)
-        *([("route_logits+sort", partial(cuda_moe.route_and_group, h, moe))]
-          if cuda_moe.route_sort_wanted(int(h.shape[0]), moe.router, moe.tid2eid, moe.shared_experts) else [
-            ("route_logits", partial(cuda_moe.router_logits, h, moe.gate, moe.router)),
-            ("route_select", partial(cuda_moe.select_experts, h, moe.gate, moe.router, moe.correction_bias, logits)),
-            ("group", partial(cuda_moe.group_by_expert, ids, weights, moe.router.num_experts))]),
+        *([("route_logits+sort", partial(moe_routing.route_and_group, h, moe))]
+          if moe_routing.route_sort_wanted(int(h.shape[0]), moe.router, moe.tid2eid, moe.shared_experts) else [
+            ("route_logits", partial(moe_routing.router_logits, h, moe.gate, moe.router)),
+            ("route_select", partial(moe_routing.select_experts, h, moe.gate, moe.router, moe.correction_bias, logits)),
+            ("group", partial(moe_routing.group_by_expert, ids, weights, moe.router.num_experts))]),
         *([("experts_gate_up+silu", partial(cuda_moe.gate_up_silu_gemv, h, moe.gate_up, grouping, silu_gemv))]
           if (silu_gemv := cuda_moe.gemv_silu_kernel(h, moe.gate_up, grouping)) is not None else [
             ("experts_gate_up", partial(cuda_moe.grouped_gemm, h, moe.gate_up, grouping, True, blas=backend.blas)),
@@ -1140,13 +1142,6 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "gemv_silu": "SiLU·mul inside the tiled INT4 gate_up decode GEMV ($OPENINFER_MOE_GEMV_SILU=1; with int4_tiled)",
     "no_gemv_silu": "SiLU·mul as its own launch after the gate_up GEMV ($OPENINFER_MOE_GEMV_SILU=0)",
     "route_sort": "a decode step's top-k and grouping in one block, moe_route_sort ($OPENINFER_MOE_ROUTE_SORT=1)",
-    "route_warps": "top-k by a warp per token, moe_route_warps ($OPENINFER_MOE_ROUTE_WARPS=1)",
-    "router_blocks": "decode router logits with a block per expert, moe_router_logits_blocks "
-                     "($OPENINFER_MOE_ROUTER_BLOCKS=1)",
-    "router_fused": "a decode step's router logits, top-k and grouping in one launch, moe_router_route_sort "
-                    "($OPENINFER_MOE_ROUTER_FUSED=1)",
-    "no_router_blocks": "decode router logits by moe.cu's moe_router_logits ($OPENINFER_MOE_ROUTER_BLOCKS=0)",
-    "no_router_fused": "router logits and moe_route_sort as two launches ($OPENINFER_MOE_ROUTER_FUSED=0)",
     "int4_row_blocks": "moe_gemv_int4_groups blocks taking several column blocks where a decode grid exceeds a wave "
                        "($OPENINFER_INT4_ROW_BLOCKS=auto)",
     "rms_scaled": "q_a_norm + q_b at one row as one launch, gemv_m1_rms_scaled ($OPENINFER_RMS_SCALED_GEMV=1)",
@@ -1155,7 +1150,6 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "decode_pdl": "programmatic dependent launch of the one-row GEMVs, decode routers and lane-groups INT4 GEMV "
                   "($OPENINFER_DECODE_PDL=1)",
     "shared_after_route": "the shared expert's side stream forked after the routing ($OPENINFER_MOE_SHARED_AFTER_ROUTE=1)",
-    "route_sort_warp": "moe_route_sort in one warp at 1-2 tokens ($OPENINFER_MOE_ROUTE_SORT_WARP=1)",
     "route_before_shared": "the routing launched before the shared experts ($OPENINFER_MOE_ROUTE_BEFORE_SHARED=1)",
     "route_decode": "a decode step's routing in one launch, moe_route_decode ($OPENINFER_MOE_ROUTE_DECODE=1)",
     "no_route_before_shared": "$OPENINFER_MOE_ROUTE_BEFORE_SHARED=0",
@@ -1260,18 +1254,16 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
     without its option a variable is unset, so core's default runs."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.backend.cuda import moe_routing
 
     os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel
-    switches = {"no_fast_routing": (cuda_moe.FAST_ROUTING_ENV, "0"), "no_spread_rope": (cuda_mla.SPREAD_ROPE_ENV, "0"),
+    switches = {"no_fast_routing": (moe_routing.FAST_ROUTING_ENV, "0"), "no_spread_rope": (cuda_mla.SPREAD_ROPE_ENV, "0"),
                 "mla_splits16": (cuda_mla.MAX_SPLITS_ENV, "16"), "no_mla_async": (cuda_mla.ASYNC_TILES_ENV, "0"),
                 "mla_combine_loop": (cuda_mla.COMBINE_ENV, "loop"), "mla_heads16": (cuda_mla.HEADS16_ENV, "1"),
                 "shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "1"),
                 "no_shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "0"),
                 "gemv_silu": (cuda_moe.GEMV_SILU_ENV, "1"), "no_gemv_silu": (cuda_moe.GEMV_SILU_ENV, "0"),
-                "route_sort": (cuda_moe.ROUTE_SORT_ENV, "1"), "route_warps": (cuda_moe.ROUTE_WARPS_ENV, "1"),
-                "router_blocks": (cuda_moe.ROUTER_BLOCKS_ENV, "1"), "router_fused": (cuda_moe.ROUTER_FUSED_ENV, "1"),
-                "no_router_blocks": (cuda_moe.ROUTER_BLOCKS_ENV, "0"),
-                "no_router_fused": (cuda_moe.ROUTER_FUSED_ENV, "0"),
+                "route_sort": (moe_routing.ROUTE_SORT_ENV, "1"),
                 "int4_row_blocks": (cuda_moe.INT4_ROW_BLOCKS_ENV, "auto"),
                 "rms_scaled": ("OPENINFER_RMS_SCALED_GEMV", "1"),
                 "oproj_prefetch": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "32"),
@@ -1280,7 +1272,6 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "no_int4_row_blocks": (cuda_moe.INT4_ROW_BLOCKS_ENV, "1"), "no_rms_scaled": ("OPENINFER_RMS_SCALED_GEMV", "0"),
                 "no_decode_pdl": ("OPENINFER_DECODE_PDL", "0"),
                 "no_shared_after_route": (cuda_moe.SHARED_AFTER_ROUTE_ENV, "0"),
-                "route_sort_warp": (cuda_moe.ROUTE_SORT_WARP_ENV, "1"),
                 "route_before_shared": ("OPENINFER_MOE_ROUTE_BEFORE_SHARED", "1"),
                 "route_decode": ("OPENINFER_MOE_ROUTE_DECODE", "1"),
                 "no_route_before_shared": ("OPENINFER_MOE_ROUTE_BEFORE_SHARED", "0"),
@@ -1325,7 +1316,7 @@ def run_layer(args) -> dict:
     import cupy
 
     from openinfer.backend.base import ForwardBatch
-    from openinfer.backend.cuda import CudaBackend
+    from openinfer.backend.cuda import CudaBackend, moe_routing
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
     from openinfer.mla import MLASpec
@@ -1377,7 +1368,7 @@ def run_layer(args) -> dict:
             step = partial(layer_step, ops, attention, moe, shared, spec, cache, device_batch, cos, sin, x,
                            absorbed_kernel)
             h, _ = step()
-            ids, _ = cuda_moe.route(h, moe.gate, moe.router, moe.correction_bias)  # the experts the step reads
+            ids, _ = moe_routing.route(h, moe.gate, moe.router, moe.correction_bias)  # the experts the step reads
             active = int(cupy.unique(ids).size)
             breakdown = layer_breakdown(layer_parts(ops, attention, moe, shared, spec, cache, device_batch, cos, sin,
                                                     x, absorbed_kernel), step, args.iters)
@@ -1457,9 +1448,6 @@ MOE_VARIANTS = {"default": ({}, False),
                 # down's Hopper grouped GEMM launched while gate_up's last wave runs (programmatic dependent launch)
                 "sm90_pdl": ({"OPENINFER_MOE_SM90_PDL": "1"}, False),
                 "shared_fused_pdl": ({"OPENINFER_MOE_SHARED_FUSED": "1", "OPENINFER_MOE_SM90_PDL": "1"}, False),
-                # a warp per token picks its experts (moe_route_warps) instead of a block per token (moe_route)
-                "route_warps": ({"OPENINFER_MOE_ROUTE_WARPS": "1"}, False),
-                "shared_fused_route_warps": ({"OPENINFER_MOE_SHARED_FUSED": "1", "OPENINFER_MOE_ROUTE_WARPS": "1"}, False),
                 # top-k and grouping in one block (moe_route_sort) after the router logits
                 "route_sort": ({"OPENINFER_MOE_ROUTE_SORT": "1"}, False),
                 "shared_fused_route_sort": ({"OPENINFER_MOE_SHARED_FUSED": "1", "OPENINFER_MOE_ROUTE_SORT": "1"}, False),
@@ -1486,7 +1474,7 @@ def run_moe(args) -> dict:
     CUDA-graph replays of a decode step's block over ``copies`` weight copies (past L2)."""
     import cupy
 
-    from openinfer.backend.cuda import CudaBackend
+    from openinfer.backend.cuda import CudaBackend, moe_routing
     from openinfer.backend.cuda import moe as cuda_moe
     from openinfer.backend.cuda.moe import DeviceMoE, ExpertLinear
     from openinfer.moe import RouterSpec
@@ -1528,7 +1516,7 @@ def run_moe(args) -> dict:
         shared_bytes = sum(w.weight.nbytes for w in blocks[0][2]) + blocks[0][0].gate.nbytes
         for tokens in (int(t) for t in tokens_list):
             x = backend.upload(rng.standard_normal((tokens, h)).astype(np.float32))
-            ids, _ = cuda_moe.route(x, blocks[0][0].gate, blocks[0][0].router, blocks[0][0].correction_bias)
+            ids, _ = moe_routing.route(x, blocks[0][0].gate, blocks[0][0].router, blocks[0][0].correction_bias)
             active = int(cupy.unique(ids).size)
             point = {"shape": shape, "tokens": tokens, "active_experts": active,
                      "bytes": active * per_expert + shared_bytes}

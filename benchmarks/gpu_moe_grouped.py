@@ -83,7 +83,7 @@ def read_bandwidth() -> float:
 def run_experts(args) -> dict:
     import cupy
 
-    from openinfer.backend.cuda import CudaBackend, moe_sm90
+    from openinfer.backend.cuda import CudaBackend, moe_routing, moe_sm90
     from openinfer.backend.cuda import moe as cuda_moe
     from openinfer.backend.cuda.loader import compile_kernels, discover_kernels
     from openinfer.backend.cuda.moe import ExpertLinear
@@ -118,7 +118,7 @@ def run_experts(args) -> dict:
         groupings, active = [], []
         for _ in range(ROUTINGS):
             ids = np.stack([rng.choice(c["experts"], c["top_k"], replace=False) for _ in range(tokens)])
-            groupings.append(cuda_moe.group_by_expert(cupy.asarray(ids.astype(np.int32)),
+            groupings.append(moe_routing.group_by_expert(cupy.asarray(ids.astype(np.int32)),
                                                       cupy.ones(ids.shape, cupy.float32), c["experts"]))
             active.append(np.unique(ids).size)
         x = backend.upload(rng.standard_normal((tokens, c["hidden"])).astype(np.float32) * 0.5)
@@ -176,16 +176,13 @@ def run_experts(args) -> dict:
 # routing parts at prefill sizes: name -> what runs
 ROUTING_VARIANTS = {
     "route_default": "router logits + scores and top-k as core chooses them (route())",
-    "route_warps": "route() with OPENINFER_MOE_ROUTE_WARPS=1 (top-k by moe_route_warps)",
     "logits_warps": "moe_router_logits (a warp per token and expert): the default below 1024 tokens",
     "logits_mma": "moe_router_logits_mma (64 x 64 tiles, 4 stages): the default from 1024 tokens",
     "logits_mma_s8": "moe_router_logits_mma with 8 stages in flight",
     "select_narrow": "moe_route in blocks of a thread per expert on the logits: the default from 1024 tokens",
     "select_wide": "moe_route in 256-thread blocks on the logits: the default below 1024 tokens",
-    "select_warps": "moe_route_warps, a warp per token (OPENINFER_MOE_ROUTE_WARPS=1)",
     "group_default": "group_by_expert as core chooses (moe_sort_parallel below 4096 slots, then the blocks)",
     "group_blocks": "moe_expert_counts + moe_place_slots: the default from 4096 slots",
-    "group_chunks": "moe_chunk_counts + moe_chunk_scan + moe_chunk_place (OPENINFER_MOE_GROUP_CHUNKS=1)",
     "group_single_block": "moe_sort_parallel",
     "combine": "moe_combine (a block per 256 columns of a token)",
     "combine_vec": "moe_combine_vec8 (8 columns per thread, 16-byte loads; OPENINFER_MOE_COMBINE_VEC=1)",
@@ -195,7 +192,7 @@ ROUTING_VARIANTS = {
 def run_routing(args) -> dict:
     import cupy
 
-    from openinfer.backend.cuda import CudaBackend
+    from openinfer.backend.cuda import CudaBackend, moe_routing
     from openinfer.backend.cuda import moe as cuda_moe
     from openinfer.moe import RouterSpec
 
@@ -208,41 +205,30 @@ def run_routing(args) -> dict:
     report = {"benchmark": "moe_routing", "device": device_name(), "shape": c, "variants": ROUTING_VARIANTS,
               "points": []}
 
-    def select_warps(x, logits):
-        with switched_env({cuda_moe.ROUTE_WARPS_ENV: "1"}):
-            return cuda_moe.select_experts(x, gate, router, bias, logits)
-
-    def route_warps(x):
-        with switched_env({cuda_moe.ROUTE_WARPS_ENV: "1"}):
-            return cuda_moe.route(x, gate, router, bias)
-
     def logits_with(stages: int, x):
-        before, cuda_moe.ROUTER_STAGES = cuda_moe.ROUTER_STAGES, stages
+        before, moe_routing.ROUTER_STAGES = moe_routing.ROUTER_STAGES, stages
         try:
-            return cuda_moe.router_logits(x, gate, router, mma=True)
+            return moe_routing.router_logits(x, gate, router, mma=True)
         finally:
-            cuda_moe.ROUTER_STAGES = before
+            moe_routing.ROUTER_STAGES = before
 
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = backend.upload(rng.standard_normal((tokens, c["hidden"])).astype(np.float32))
-        logits = cuda_moe.router_logits(x, gate, router, mma=True)
-        ids, weights = cuda_moe.select_experts(x, gate, router, bias, logits, narrow=True)
+        logits = moe_routing.router_logits(x, gate, router, mma=True)
+        ids, weights = moe_routing.select_experts(x, gate, router, bias, logits, narrow=True)
         x = cupy.ascontiguousarray(x)
-        grouping = cuda_moe.group_by_expert(ids, weights, c["experts"])
+        grouping = moe_routing.group_by_expert(ids, weights, c["experts"])
         y = device_random_bf16((tokens * c["top_k"], c["hidden"]))
         calls = {
-            "route_default": partial(cuda_moe.route, x, gate, router, bias),
-            "route_warps": partial(route_warps, x),
-            "logits_warps": partial(cuda_moe.router_logits, x, gate, router, mma=False),
+            "route_default": partial(moe_routing.route, x, gate, router, bias),
+            "logits_warps": partial(moe_routing.router_logits, x, gate, router, mma=False),
             "logits_mma": partial(logits_with, 4, x),
             "logits_mma_s8": partial(logits_with, 8, x),
-            "select_narrow": partial(cuda_moe.select_experts, x, gate, router, bias, logits, narrow=True),
-            "select_wide": partial(cuda_moe.select_experts, x, gate, router, bias, logits, narrow=False),
-            "select_warps": partial(select_warps, x, logits),
-            "group_default": partial(cuda_moe.group_by_expert, ids, weights, c["experts"]),
-            "group_blocks": partial(cuda_moe.group_by_expert, ids, weights, c["experts"], method="blocks"),
-            "group_chunks": partial(cuda_moe.group_by_expert, ids, weights, c["experts"], method="chunks"),
-            "group_single_block": partial(cuda_moe.group_by_expert, ids, weights, c["experts"],
+            "select_narrow": partial(moe_routing.select_experts, x, gate, router, bias, logits, narrow=True),
+            "select_wide": partial(moe_routing.select_experts, x, gate, router, bias, logits, narrow=False),
+            "group_default": partial(moe_routing.group_by_expert, ids, weights, c["experts"]),
+            "group_blocks": partial(moe_routing.group_by_expert, ids, weights, c["experts"], method="blocks"),
+            "group_single_block": partial(moe_routing.group_by_expert, ids, weights, c["experts"],
                                           per_expert_blocks=False),
             "combine": partial(cuda_moe.combine, y, grouping, None, c["hidden"], vectorized=False),
             "combine_vec": partial(cuda_moe.combine, y, grouping, None, c["hidden"], vectorized=True),
@@ -250,22 +236,18 @@ def run_routing(args) -> dict:
         point = {"tokens": tokens}
         reference_logits = logits.get()
         point["logits_mma_s8_equal"] = bool(np.array_equal(logits_with(8, x).get(), reference_logits))
-        warp_ids, warp_weights = select_warps(x, logits)
-        point["select_warps_equal"] = bool(np.array_equal(warp_ids.get(), ids.get())
-                                           and np.array_equal(warp_weights.get(), weights.get()))
-        chunked = cuda_moe.group_by_expert(ids, weights, c["experts"], method="chunks")
         point["combine_vec_equal"] = bool(np.array_equal(
             cuda_moe.combine(y, grouping, None, c["hidden"], vectorized=True).get(),
             cuda_moe.combine(y, grouping, None, c["hidden"], vectorized=False).get()))
-        point["group_chunks_equal"] = bool(np.array_equal(chunked.sorted_slots.get(), grouping.sorted_slots.get()))
         for name, call in calls.items():
             seconds, error = graph_call_seconds([call] * 8)
             point[f"{name}_us"] = 1e6 * seconds
             if error:
                 point[f"{name}_graph_error"] = error
         point["routing_default_us"] = point["route_default_us"] + point["group_default_us"] + point["combine_us"]
-        point["routing_best_us"] = (min(point["route_default_us"], point["route_warps_us"])
-                                    + min(point["group_default_us"], point["group_chunks_us"])
+        point["routing_best_us"] = (point["route_default_us"]
+                                    + min(point["group_default_us"], point["group_blocks_us"],
+                                          point["group_single_block_us"])
                                     + min(point["combine_us"], point["combine_vec_us"]))
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in point.items()}), flush=True)
         report["points"].append(point)
@@ -294,12 +276,13 @@ def _norm_point(tokens: int, rng: np.random.Generator) -> dict:
     import cupy
 
     from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.backend.cuda import moe_routing
     from openinfer.backend.cuda.backend import _norm_threads
     from openinfer.backend.cuda.loader import kernel
 
     hidden, experts, top_k, eps = SHAPE["hidden"], SHAPE["experts"] + 2, SHAPE["top_k"] + 2, 1e-6
     ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
-    grouping = cuda_moe.group_by_expert(cupy.asarray(ids), cupy.asarray(
+    grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.asarray(
         rng.uniform(0.1, 1.0, ids.shape).astype(np.float32)), experts)
     y = device_random_bf16((tokens * top_k, hidden))
     x, residual, weight = (device_random_bf16(shape) for shape in ((tokens, hidden), (tokens, hidden), (hidden,)))

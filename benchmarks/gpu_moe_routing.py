@@ -28,24 +28,17 @@ SHAPES = {
 }
 # path -> (environment switches, what runs)
 PATHS = {
-    "split": ({"OPENINFER_MOE_ROUTE_SORT": "0"}, "moe_router_logits + moe_route + moe_sort_parallel"),
-    "route_sort": ({"OPENINFER_MOE_ROUTE_SORT": "1"}, "moe_router_logits + moe_route_sort (block)"),
-    "route_sort_warp": ({"OPENINFER_MOE_ROUTE_SORT": "1", "OPENINFER_MOE_ROUTE_SORT_WARP": "1"},
-                        "moe_router_logits + moe_route_sort (one warp, 1-2 tokens)"),
-    "blocks_route_sort": ({"OPENINFER_MOE_ROUTE_SORT": "1", "OPENINFER_MOE_ROUTER_BLOCKS": "1"},
-                          "moe_router_logits_blocks + moe_route_sort (1-4 tokens)"),
-    "router_fused": ({"OPENINFER_MOE_ROUTE_SORT": "1", "OPENINFER_MOE_ROUTER_FUSED": "1"},
-                     "moe_router_route_sort: one launch (1-4 tokens)"),
+    "split": ({"OPENINFER_MOE_ROUTE_SORT": "0", "OPENINFER_MOE_ROUTE_DECODE": "0"},
+              "moe_router_logits + moe_route + moe_sort_parallel"),
+    "route_sort": ({"OPENINFER_MOE_ROUTE_SORT": "1", "OPENINFER_MOE_ROUTE_DECODE": "0"},
+                   "moe_router_logits + moe_route_sort (block)"),
     "route_decode": ({"OPENINFER_MOE_ROUTE_SORT": "1", "OPENINFER_MOE_ROUTE_DECODE": "1"},
                      "moe_route_decode: one launch, logits by warps + the last block's top-k and grouping"),
     "route_decode_w4": ({"OPENINFER_MOE_ROUTE_SORT": "1", "OPENINFER_MOE_ROUTE_DECODE": "1",
                          "OPENINFER_MOE_ROUTE_DECODE_WARPS": "4"}, "moe_route_decode, blocks of 4 warps"),
     "route_decode_w8": ({"OPENINFER_MOE_ROUTE_SORT": "1", "OPENINFER_MOE_ROUTE_DECODE": "1",
                          "OPENINFER_MOE_ROUTE_DECODE_WARPS": "8"}, "moe_route_decode, blocks of 8 warps"),
-    "route_decode_smem": ({"OPENINFER_MOE_ROUTE_SORT": "1", "OPENINFER_MOE_ROUTE_DECODE": "1",
-                           "OPENINFER_MOE_ROUTE_DECODE_GATE": "shared"}, "moe_route_decode, router rows in shared memory"),
-    "logits": ({"OPENINFER_MOE_ROUTER_BLOCKS": "0"}, "moe_router_logits alone"),
-    "logits_blocks": ({"OPENINFER_MOE_ROUTER_BLOCKS": "1"}, "moe_router_logits_blocks alone (1-4 tokens)"),
+    "logits": ({}, "moe_router_logits alone"),
 }
 SWITCHES = sorted({env for switches, _ in PATHS.values() for env in switches})
 

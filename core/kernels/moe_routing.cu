@@ -13,7 +13,6 @@
 // Needs hidden % 8 == 0 and 16-byte aligned rows for the router (the caller checks).
 #include "mma.cuh"
 #include "moe_route.cuh"  // route_score
-#include "rms_norm.cuh"   // normalize_row
 #include "decode_pdl.cuh"  // DECODE_PDL: the decode routers
 
 #ifndef ROUTER_STAGES
@@ -199,13 +198,11 @@ moe_place_slots(const int* __restrict__ ids, int num_slots, int num_experts, con
 }
 
 // ---------------------------------------------------------------------------------------------
-// moe_route_warps: moe_route's scores and top-k for prefill-sized steps without expert groups
-// (n_group 1: Moonlight, Kimi-K2), a warp per token over router_logits' output (moe_route: a block
-// per token, shared memory and block barriers for a 64-expert row). Lane l holds experts l + 32 i in
-// registers; top-k by repeated warp argmax, lowest index on ties, the picks' scores summed in pick
-// order: the same ids and (sigmoid, sqrt-softplus) the same weights as moe_route.
+// The warp router (moe_route_sort): moe_route's scores and top-k for routers without expert
+// groups (n_group 1: Moonlight, Kimi-K2), a warp per token. Lane l holds experts l + 32 i in registers; top-k by
+// repeated warp argmax, lowest index on ties, the picks' scores summed in pick order: the same ids and (sigmoid,
+// sqrt-softplus) the same weights as moe_route.
 // ---------------------------------------------------------------------------------------------
-#define ROUTE_WARPS 8
 #define ROUTE_PER_LANE (GROUP_MAX_EXPERTS / 32)
 #ifndef ROUTE_SHARED_EXPERTS
 #define ROUTE_SHARED_EXPERTS 0  // as moe.cu's moe_route: rows of k + S, the last S the fused shared experts (weight 1)
@@ -213,27 +210,22 @@ moe_place_slots(const int* __restrict__ ids, int num_slots, int num_experts, con
 #if ROUTE_SHARED_EXPERTS < 0 || ROUTE_SHARED_EXPERTS > 16
 #error "ROUTE_SHARED_EXPERTS must be in 0 .. 16"
 #endif
-// One token's routing by the calling warp (the body of moe_route_warps and moe_route_sort): lane j < k + S
-// gets its row's entry j (*id, *weight; the last S the fused shared experts), other lanes *id = -1.
-__device__ __forceinline__ void warp_route_token(const float* __restrict__ row, const float* __restrict__ bias,
-                                                 int num_experts, int top_k, int scoring, int norm_topk,
-                                                 float scaling, int* id, float* weight) {
+// One token's scores in place from the lane's logits (score[i] of expert lane + 32 i, -inf past the experts):
+// route_score of each, softmax's max and sum over the warp. The first step of both warp routers (warp_route_token,
+// warp_route_token_keys): their scores are one computation.
+template <int R>
+__device__ __forceinline__ void warp_route_scores(float (&score)[R], int num_experts, int scoring) {
     const int lane = threadIdx.x & 31;
-    float score[ROUTE_PER_LANE], choice[ROUTE_PER_LANE];
     float logit_max = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
-        const int e = lane + 32 * i;
-        score[i] = e < num_experts ? row[e] : -INFINITY;
-        logit_max = fmaxf(logit_max, score[i]);
-    }
+    for (int i = 0; i < R; ++i) logit_max = fmaxf(logit_max, score[i]);
     if (scoring == 0) {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) logit_max = fmaxf(logit_max, __shfl_xor_sync(0xffffffffu, logit_max, o));
     }
     float local_sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+    for (int i = 0; i < R; ++i) {
         const int e = lane + 32 * i;
         if (e >= num_experts) continue;
         const float s = route_score(score[i], logit_max, scoring);
@@ -243,8 +235,40 @@ __device__ __forceinline__ void warp_route_token(const float* __restrict__ row, 
     if (scoring == 0) {
         const float total = warp_sum(local_sum);
 #pragma unroll
-        for (int i = 0; i < ROUTE_PER_LANE; ++i) score[i] /= total;
+        for (int i = 0; i < R; ++i) score[i] /= total;
     }
+}
+
+// The calling lane's entry of the token's row once the k picks are made (lane j < k holds pick j: my_id, my_score;
+// total: the picks' scores summed in pick order): the last step of both warp routers. Lane j < k + S gets entry j
+// (*id, *weight; the last S the fused shared experts, weight 1), other lanes *id = -1.
+__device__ __forceinline__ void warp_route_entry(int my_id, float my_score, float total, int num_experts, int top_k,
+                                                 int norm_topk, float scaling, int* id, float* weight) {
+    const int lane = threadIdx.x & 31;
+    const float norm = norm_topk ? 1.f / (total + 1e-20f) : 1.f;
+    *id = -1;
+    if (lane < top_k) {
+        *id = my_id;
+        *weight = my_score * norm * scaling;
+    } else if (lane < top_k + ROUTE_SHARED_EXPERTS) {
+        *id = num_experts + lane - top_k;
+        *weight = 1.f;
+    }
+}
+
+// One token's routing by the calling warp (the body of moe_route_sort): lane j < k + S
+// gets its row's entry j (*id, *weight; the last S the fused shared experts), other lanes *id = -1.
+__device__ __forceinline__ void warp_route_token(const float* __restrict__ row, const float* __restrict__ bias,
+                                                 int num_experts, int top_k, int scoring, int norm_topk,
+                                                 float scaling, int* id, float* weight) {
+    const int lane = threadIdx.x & 31;
+    float score[ROUTE_PER_LANE], choice[ROUTE_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        score[i] = e < num_experts ? row[e] : -INFINITY;
+    }
+    warp_route_scores(score, num_experts, scoring);
 #pragma unroll
     for (int i = 0; i < ROUTE_PER_LANE; ++i) {
         const int e = lane + 32 * i;
@@ -285,98 +309,68 @@ __device__ __forceinline__ void warp_route_token(const float* __restrict__ row, 
             my_score = picked;
         }
     }
-    const float norm = norm_topk ? 1.f / (total + 1e-20f) : 1.f;
-    *id = -1;
-    if (lane < top_k) {
-        *id = my_id;
-        *weight = my_score * norm * scaling;
-    } else if (lane < top_k + ROUTE_SHARED_EXPERTS) {
-        *id = num_experts + lane - top_k;
-        *weight = 1.f;
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
-moe_route_warps(const float* __restrict__ logits, const float* __restrict__ bias /* [E] or null */, int num_tokens,
-                int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
-                float* __restrict__ weights) {
-    const int lane = threadIdx.x & 31, t = blockIdx.x * ROUTE_WARPS + (threadIdx.x >> 5);
-    if (t >= num_tokens) return;  // warp-uniform
-    int id;
-    float weight;
-    warp_route_token(logits + (long long)t * num_experts, bias, num_experts, top_k, scoring, norm_topk, scaling,
-                     &id, &weight);
-    const int row_width = top_k + ROUTE_SHARED_EXPERTS;
-    if (lane < row_width) {
-        ids[t * row_width + lane] = id;
-        weights[t * row_width + lane] = weight;
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// moe_add_rms_norm_route: a decode step's post-attention add_rms_norm, the router logits and the top-k in one
-// launch (one block per token; three launches apart: add_rms_norm, moe_router_logits, moe_route). The same
-// arithmetic as each: rms_norm.cu add_rms_norm's sums (the caller gives its block size), moe.cu
-// moe_router_logits' (a warp per expert, 8-wide lane strides, warp_sum) into shared memory, then
-// warp_route_token (moe_route_warps: the same ids and weights as moe_route). Routers without expert groups;
-// 16-byte aligned rows, features % 8 == 0, at most GROUP_MAX_EXPERTS experts (the caller checks).
-// ---------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(1024)
-moe_add_rms_norm_route(const bf16* __restrict__ x, const bf16* __restrict__ residual,
-                       const bf16* __restrict__ norm_weight, bf16* out, bf16* __restrict__ residual_out, int features,
-                       float eps, const bf16* __restrict__ gate, const float* __restrict__ bias /* [E] or null */,
-                       int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
-                       float* __restrict__ weights) {
-    __shared__ float logits[GROUP_MAX_EXPERTS];
-    const size_t t = blockIdx.x;
-    const bf16* xr = x + t * features;
-    const bf16* rr = residual + t * features;
-    bf16* ro = residual_out + t * features;
-    bf16* o = out + t * features;
-    for (int c = threadIdx.x; c < features; c += blockDim.x)
-        ro[c] = __float2bfloat16_rn(__bfloat162float(xr[c]) + __bfloat162float(rr[c]));
-    __syncthreads();
-    normalize_row(ro, norm_weight, o, features, eps);  // rms_norm.cu add_rms_norm's bits
-    __syncthreads();  // the normed row is whole (this block's global writes, seen by its threads after the barrier)
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    for (int e = warp; e < num_experts; e += warps) {
-        const bf16* w = gate + (long long)e * features;
-        float acc = 0.f;
-#pragma unroll 8  // the row's loads in flight together (a hidden of 2048: all 8 rounds); the sums in order
-        for (int i = lane * 8; i < features; i += 32 * 8) {
-            float a[8], b[8];
-            load8(o + i, a);
-            load8(w + i, b);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc += a[j] * b[j];
-        }
-        acc = warp_sum(acc);
-        if (lane == 0) logits[e] = acc;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        int id;
-        float weight;
-        warp_route_token(logits, bias, num_experts, top_k, scoring, norm_topk, scaling, &id, &weight);
-        const int row_width = top_k + ROUTE_SHARED_EXPERTS;
-        if (lane < row_width) {
-            ids[t * row_width + lane] = id;
-            weights[t * row_width + lane] = weight;
-        }
-    }
+    warp_route_entry(my_id, my_score, total, num_experts, top_k, norm_topk, scaling, id, weight);
 }
 
 // ---------------------------------------------------------------------------------------------
 // moe_route_sort: a decode step's top-k and grouping in one block (one launch where moe_route +
 // moe_sort_parallel take two), over router_logits' output, for routers without expert groups. Each
-// of ROUTE_SORT_WARPS warps routes tokens w, w + ROUTE_SORT_WARPS, ... (warp_route_token: the ids and
-// weights of moe_route_warps), keeping the step's ids in shared memory; then, after a block barrier,
+// of ROUTE_SORT_WARPS warps routes tokens w, w + ROUTE_SORT_WARPS, ... (warp_route_token), keeping the step's ids in shared memory; then, after a block barrier,
 // moe_sort_parallel's layout (offsets [E'+1], the 64-row tile list, num_tiles, sorted_slots / slot_pos
 // by shared-memory atomics) over E' = E + S experts. Nothing crosses blocks: nothing to reset between
 // graph replays. At most ROUTE_SORT_MAX_SLOTS slots (T·(k+S)) and GROUP_MAX_EXPERTS experts (the caller checks).
 // ---------------------------------------------------------------------------------------------
 #define ROUTE_SORT_WARPS 16
 #define ROUTE_SORT_MAX_SLOTS 2048
+// The grouping's steps shared by moe_route_sort (route_sort_block: a block) and moe_route_decode (its last block, one
+// warp scanning): each part of `parts` (a thread, a lane) takes a run of experts [first, last) of the E' = `grouped`,
+// counts its rows and 64-row tiles (expert_run), a scan over the parts gives the rows and tiles before the run, the run
+// is laid out in order (lay_out_expert_run: offsets, the tile list, count[e] = e's first row), then every slot is
+// placed by an atomic on its expert's next row (place_slots: each expert's slots in the order the atomics hand out).
+struct ExpertRun {
+    int first, last, rows, tiles;
+};
+
+__device__ __forceinline__ ExpertRun expert_run(const int* count, int grouped, int part, int parts) {
+    const int per_part = (grouped + parts - 1) / parts;
+    ExpertRun run;
+    run.first = min(grouped, part * per_part);
+    run.last = min(grouped, run.first + per_part);
+    run.rows = 0;
+    run.tiles = 0;
+    for (int e = run.first; e < run.last; ++e) {
+        run.rows += count[e];
+        run.tiles += (count[e] + GROUP_TILE_ROWS - 1) / GROUP_TILE_ROWS;
+    }
+    return run;
+}
+
+__device__ __forceinline__ void lay_out_expert_run(const ExpertRun& run, int row_before, int tile_before, int* count,
+                                                   int* __restrict__ offsets, int* __restrict__ tile_expert,
+                                                   int* __restrict__ tile_row, int max_tiles) {
+    for (int e = run.first; e < run.last; ++e) {
+        const int expert_rows = count[e];
+        offsets[e] = row_before;
+        for (int r = 0; r < expert_rows; r += GROUP_TILE_ROWS, ++tile_before)
+            if (tile_before < max_tiles) {
+                tile_expert[tile_before] = e;
+                tile_row[tile_before] = row_before + r;
+            }
+        count[e] = row_before;
+        row_before += expert_rows;
+    }
+}
+
+// After lay_out_expert_run and a barrier: slot i (expert slot_expert[i]) to its row, by the block's threads.
+__device__ __forceinline__ void place_slots(int num_slots, const int* slot_expert, int* count,
+                                            int* __restrict__ sorted_slots, int* __restrict__ slot_pos) {
+    for (int i = threadIdx.x; i < num_slots; i += blockDim.x) {
+        const int p = atomicAdd(&count[slot_expert[i]], 1);
+        sorted_slots[p] = i;
+        slot_pos[i] = p;
+    }
+}
+
 // moe_route_sort's body for the calling block (ROUTE_SORT_WARPS warps, at least E' threads): `logits` the
 // step's [T, E] rows (global or shared memory), `slot_expert` room for T·(k+S) ints, `count` GROUP_MAX_EXPERTS
 // ints, `scratch` 32 ints (the caller's shared memory).
@@ -405,40 +399,19 @@ __device__ __forceinline__ void route_sort_block(const float* logits, const floa
     __syncthreads();
     for (int i = tid; i < num_slots; i += blockDim.x) atomicAdd(&count[slot_expert[i]], 1);
     __syncthreads();
-    // experts' first rows and first tiles: thread tid holds the run of experts [first, last) (one each where
-    // the block has E' threads: moe_route_sort's 512; a warp takes ⌈E' / 32⌉ each), a block scan of the runs'
-    // rows and tiles, then each run walked in order
-    const int per_thread = (grouped + (int)blockDim.x - 1) / (int)blockDim.x;
-    const int first = min(grouped, tid * per_thread), last = min(grouped, first + per_thread);
-    int rows = 0, tiles = 0;
-    for (int e = first; e < last; ++e) {
-        rows += count[e];
-        tiles += (count[e] + GROUP_TILE_ROWS - 1) / GROUP_TILE_ROWS;
-    }
+    // experts' first rows and first tiles: thread tid holds a run of experts (one each where the block has E'
+    // threads: moe_route_sort's 512), a block scan of the runs' rows and tiles, then each run laid out in order
+    const ExpertRun run = expert_run(count, grouped, tid, (int)blockDim.x);
     int rows_total, tiles_total;
-    int row_before = block_exclusive_scan(rows, scratch, &rows_total);
-    int tile_before = block_exclusive_scan(tiles, scratch, &tiles_total);
-    for (int e = first; e < last; ++e) {
-        const int expert_rows = count[e];
-        offsets[e] = row_before;
-        for (int r = 0; r < expert_rows; r += GROUP_TILE_ROWS, ++tile_before)
-            if (tile_before < max_tiles) {
-                tile_expert[tile_before] = e;
-                tile_row[tile_before] = row_before + r;
-            }
-        count[e] = row_before;
-        row_before += expert_rows;
-    }
+    const int row_before = block_exclusive_scan(run.rows, scratch, &rows_total);
+    const int tile_before = block_exclusive_scan(run.tiles, scratch, &tiles_total);
+    lay_out_expert_run(run, row_before, tile_before, count, offsets, tile_expert, tile_row, max_tiles);
     if (tid == 0) {
         offsets[grouped] = rows_total;
         *num_tiles = min(tiles_total, max_tiles);
     }
     __syncthreads();
-    for (int i = tid; i < num_slots; i += blockDim.x) {
-        const int p = atomicAdd(&count[slot_expert[i]], 1);
-        sorted_slots[p] = i;
-        slot_pos[i] = p;
-    }
+    place_slots(num_slots, slot_expert, count, sorted_slots, slot_pos);
 }
 
 extern "C" __global__ void __launch_bounds__(ROUTE_SORT_WARPS * 32)
@@ -453,120 +426,6 @@ moe_route_sort(const float* __restrict__ logits, const float* __restrict__ bias 
     decode_pdl_wait();  // everything it reads came from the previous kernel
     decode_pdl_launch_dependents();
     route_sort_block(logits, bias, num_tokens, num_experts, top_k, scoring, norm_topk, scaling, ids, weights, offsets,
-                     sorted_slots, slot_pos, tile_expert, tile_row, num_tiles, max_tiles, slot_expert, count, scratch);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Decode-sized router logits (at most ROUTER_BLOCKS_MAX_TOKENS tokens) with a block per expert:
-// moe_router_logits_blocks writes logits [T, E] (moe.cu's moe_router_logits has a warp per token and expert
-// walk the whole row, 28 serial 16-byte steps at Kimi-K2's hidden of 7168, and runs 48 blocks at one token);
-// block e's threads split the hidden row (thread i the 16-byte chunks i, i + blockDim, ...), each warp's fp32
-// sums added in warp order, so every SM streams router rows at once. The sum order differs from
-// moe_router_logits' (fp32 rounding only).
-// moe_router_route_sort: the same logits, then the last block to finish (a ticket from `done`) reads them and
-// runs moe_route_sort's body (route_sort_block): moe_route_sort's ids / weights / layout on these logits, in
-// one launch where two run apart. `done`: one uint, zero at launch (the caller's memset; the last block puts
-// it back to zero too). hidden % 8 == 0, 16-byte aligned rows, blockDim.x a multiple of 32 up to 1024
-// (ROUTE_SORT_WARPS * 32 for the fused one) (the caller checks).
-// ---------------------------------------------------------------------------------------------
-#define ROUTER_BLOCKS_MAX_TOKENS 4
-#define ROUTER_PREFETCH 2  // 16-byte chunks a thread loads before waiting (the host gives it ~2 of the row)
-#define ROUTER_FUSED_MAX_SLOTS (ROUTER_BLOCKS_MAX_TOKENS * 32)
-// Expert blockIdx.x's logits of every token into logits[t, e]; `partial` [32][ROUTER_BLOCKS_MAX_TOKENS] floats
-// of shared memory. Ends with the block's writes issued (no barrier after).
-__device__ __forceinline__ void router_expert_logits(const bf16* __restrict__ x, const bf16* __restrict__ gate,
-                                                     int num_tokens, int hidden, int num_experts, float* logits,
-                                                     float (*partial)[ROUTER_BLOCKS_MAX_TOKENS]) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, e = blockIdx.x;
-    const bf16* w = gate + (long long)e * hidden;
-    float acc[ROUTER_BLOCKS_MAX_TOKENS];
-#pragma unroll
-    for (int t = 0; t < ROUTER_BLOCKS_MAX_TOKENS; ++t) acc[t] = 0.f;
-    // the thread's first ROUTER_PREFETCH chunks of the router row in flight before the wait for x (DECODE_PDL)
-    uint4 first[ROUTER_PREFETCH];
-#pragma unroll
-    for (int j = 0; j < ROUTER_PREFETCH; ++j)
-        if (tid * 8 + j * (int)blockDim.x * 8 < hidden)
-            first[j] = *reinterpret_cast<const uint4*>(w + tid * 8 + j * blockDim.x * 8);
-    decode_pdl_wait();
-    decode_pdl_launch_dependents();  // after the wait: a dependent may read what the kernel before wrote
-    int chunk = 0;
-#pragma unroll 2
-    for (int i = tid * 8; i < hidden; i += blockDim.x * 8, ++chunk) {
-        float b[8];
-        if (chunk < ROUTER_PREFETCH) {
-            uint4 u = first[0];
-#pragma unroll
-            for (int j = 1; j < ROUTER_PREFETCH; ++j)
-                if (chunk == j) u = first[j];
-            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float2 f = __bfloat1622float2(h[j]);
-                b[2 * j] = f.x;
-                b[2 * j + 1] = f.y;
-            }
-        } else {
-            load8(w + i, b);
-        }
-#pragma unroll
-        for (int t = 0; t < ROUTER_BLOCKS_MAX_TOKENS; ++t) {
-            if (t < num_tokens) {
-                float a[8];
-                load8(x + (long long)t * hidden + i, a);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[t] += a[j] * b[j];
-            }
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < ROUTER_BLOCKS_MAX_TOKENS; ++t) {
-        const float v = warp_sum(acc[t]);
-        if (lane == 0) partial[warp][t] = v;
-    }
-    __syncthreads();
-    if (tid < num_tokens) {
-        float sum = 0.f;
-        for (int v = 0; v < (int)(blockDim.x >> 5); ++v) sum += partial[v][tid];
-        logits[(long long)tid * num_experts + e] = sum;
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(1024)
-moe_router_logits_blocks(const bf16* __restrict__ x, const bf16* __restrict__ gate, int num_tokens, int hidden,
-                         int num_experts, float* __restrict__ logits) {
-    __shared__ float partial[32][ROUTER_BLOCKS_MAX_TOKENS];
-    router_expert_logits(x, gate, num_tokens, hidden, num_experts, logits, partial);
-}
-
-// 3 blocks of 512 threads per SM (40 registers): Kimi-K2's 384 experts resident at once on 132 SMs; only the last block's
-// routing spills.
-extern "C" __global__ void __launch_bounds__(ROUTE_SORT_WARPS * 32, 3)
-moe_router_route_sort(const bf16* __restrict__ x, const bf16* __restrict__ gate, int num_tokens, int hidden,
-                      float* logits, unsigned* done, const float* __restrict__ bias /* [E] or null */,
-                      int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
-                      float* __restrict__ weights, int* __restrict__ offsets /* [E'+1] */,
-                      int* __restrict__ sorted_slots, int* __restrict__ slot_pos, int* __restrict__ tile_expert,
-                      int* __restrict__ tile_row, int* __restrict__ num_tiles, int max_tiles) {
-    __shared__ float partial[32][ROUTER_BLOCKS_MAX_TOKENS];
-    __shared__ float rows[ROUTER_BLOCKS_MAX_TOKENS * GROUP_MAX_EXPERTS];
-    __shared__ int slot_expert[ROUTER_FUSED_MAX_SLOTS];
-    __shared__ int count[GROUP_MAX_EXPERTS];
-    __shared__ int scratch[32];
-    __shared__ int last;
-    router_expert_logits(x, gate, num_tokens, hidden, num_experts, logits, partial);
-    // the last block to get here routes the step: the others' logits are visible to it after their fences
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    if (threadIdx.x == 0) *done = 0u;
-    const volatile float* fresh = logits;  // written by other blocks: read past this SM's L1
-    for (int i = threadIdx.x; i < num_tokens * num_experts; i += blockDim.x) rows[i] = fresh[i];
-    __syncthreads();
-    route_sort_block(rows, bias, num_tokens, num_experts, top_k, scoring, norm_topk, scaling, ids, weights, offsets,
                      sorted_slots, slot_pos, tile_expert, tile_row, num_tiles, max_tiles, slot_expert, count, scratch);
 }
 
@@ -586,8 +445,6 @@ moe_router_route_sort(const bf16* __restrict__ x, const bf16* __restrict__ gate,
 //   grouping counts by shared-memory atomics as the picks land, one warp scans the experts' rows and tiles
 //            (route_sort_block's offsets and tile list), then the slots placed by atomics (each expert's slots in
 //            the order they hand out, as moe_route_sort).
-// ROUTE_DECODE_GATE_SMEM=1: the warps' router rows copied into dynamic shared memory by cp.async instead of held in
-// registers (~145 registers a thread at a hidden of 7168: a block fits an SM only where a GEMV's blocks leave room).
 // Compile-time shape (the caller's defines): ROUTE_DECODE_WARPS a block, ROUTE_DECODE_TOKENS a token group,
 // ROUTE_DECODE_CHUNKS = ⌈hidden / 256⌉, ROUTE_DECODE_PER_LANE = ⌈E / 32⌉, ROUTE_DECODE_X_BYTES the staged rows
 // (at least ROUTE_DECODE_TOKENS · hidden · 2 and the slots' ints). hidden % 8 == 0, 16-byte aligned rows,
@@ -604,9 +461,6 @@ moe_router_route_sort(const bf16* __restrict__ x, const bf16* __restrict__ gate,
 #endif
 #ifndef ROUTE_DECODE_PER_LANE
 #define ROUTE_DECODE_PER_LANE 16
-#endif
-#ifndef ROUTE_DECODE_GATE_SMEM
-#define ROUTE_DECODE_GATE_SMEM 0  // 1: the router rows in dynamic shared memory (the launch gives its bytes)
 #endif
 #ifndef ROUTE_DECODE_X_BYTES
 #define ROUTE_DECODE_X_BYTES (ROUTE_DECODE_TOKENS * 7168 * 2)
@@ -671,30 +525,9 @@ __device__ __forceinline__ void warp_route_token_keys(const float (&logit)[ROUTE
     const int lane = threadIdx.x & 31;
     float score[R];
     unsigned key[R];
-    float logit_max = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
-        score[i] = logit[i];
-        logit_max = fmaxf(logit_max, score[i]);
-    }
-    if (scoring == 0) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) logit_max = fmaxf(logit_max, __shfl_xor_sync(0xffffffffu, logit_max, o));
-    }
-    float local_sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-        const int e = lane + 32 * i;
-        if (e >= num_experts) continue;
-        const float s = route_score(score[i], logit_max, scoring);
-        if (scoring == 0) local_sum += s;
-        score[i] = s;
-    }
-    if (scoring == 0) {
-        const float total = warp_sum(local_sum);
-#pragma unroll
-        for (int i = 0; i < R; ++i) score[i] /= total;
-    }
+    for (int i = 0; i < R; ++i) score[i] = logit[i];
+    warp_route_scores(score, num_experts, scoring);
     // the lane's best remaining choice: highest key, lowest index on ties (i ascending, strictly greater)
     unsigned best_key = 0u;
     int best_index = 0x7fffffff;
@@ -735,18 +568,11 @@ __device__ __forceinline__ void warp_route_token_keys(const float (&logit)[ROUTE
             }
         }
     }
-    const float norm = norm_topk ? 1.f / (total + 1e-20f) : 1.f;
-    *id = -1;
-    if (lane < top_k) {
-        *id = my_id;
-        *weight = my_score * norm * scaling;
-    } else if (lane < top_k + ROUTE_SHARED_EXPERTS) {
-        *id = num_experts + lane - top_k;
-        *weight = 1.f;
-    }
+    warp_route_entry(my_id, my_score, total, num_experts, top_k, norm_topk, scaling, id, weight);
 }
 
-// moe_route_decode's counter zeroed by a kernel node (OPENINFER_MOE_ROUTE_DECODE_TICKET=kernel) instead of a memset node.
+// moe_route_decode's counter zeroed per call by a kernel node (a memset node may run on a copy engine: ~6 us of gap
+// before each moe_route_decode in s13 D3's Moonlight trace).
 extern "C" __global__ void __launch_bounds__(32) moe_route_decode_ticket(unsigned* done) {
     if (threadIdx.x == 0) *done = 0u;
 }
@@ -767,33 +593,14 @@ moe_route_decode(const bf16* __restrict__ x, const bf16* __restrict__ gate, int 
     const int t0 = (blockIdx.x / blocks_per_group) * ROUTE_DECODE_TOKENS;
     const int e = (blockIdx.x % blocks_per_group) * ROUTE_DECODE_WARPS + warp;
     const int tokens = min(ROUTE_DECODE_TOKENS, num_tokens - t0);
-    // the warp's router row, whole, before anything waits: in registers, or (ROUTE_DECODE_GATE_SMEM) copied into
-    // shared memory by cp.async (few registers: the blocks fit beside a GEMV's on a busy SM)
+    // the warp's router row, whole, in registers before anything waits
     const bf16* w = gate + (long long)min(e, num_experts - 1) * hidden;
-#if ROUTE_DECODE_GATE_SMEM
-#ifdef MMA_HOST_STANDIN
-    __shared__ __align__(16) unsigned char gate_rows[ROUTE_DECODE_WARPS * ROUTE_DECODE_CHUNKS * 512];
-#else
-    extern __shared__ __align__(16) unsigned char gate_rows[];  // ROUTE_DECODE_WARPS x ROUTE_DECODE_CHUNKS x 512 B
-#endif
-    uint4* chunk = reinterpret_cast<uint4*>(gate_rows) + warp * ROUTE_DECODE_CHUNKS * 32 + lane;  // [c * 32]: chunk c
-#pragma unroll
-    for (int c = 0; c < ROUTE_DECODE_CHUNKS; ++c) {
-        const int i = (lane + 32 * c) * 8;
-#ifdef MMA_HOST_STANDIN
-        if (i < hidden) chunk[c * 32] = *reinterpret_cast<const uint4*>(w + i);
-#else
-        if (i < hidden) cp_async16(reinterpret_cast<bf16*>(chunk + c * 32), w + i, true);
-#endif
-    }
-#else
     uint4 chunk[ROUTE_DECODE_CHUNKS];
 #pragma unroll
     for (int c = 0; c < ROUTE_DECODE_CHUNKS; ++c) {
         const int i = (lane + 32 * c) * 8;
         if (i < hidden) chunk[c] = *reinterpret_cast<const uint4*>(w + i);
     }
-#endif
     uint4* xs = reinterpret_cast<uint4*>(staged);
     const int pieces = hidden / 8;
     for (int p = tid; p < tokens * pieces; p += blockDim.x) {  // the group's x rows, every piece in flight at once
@@ -823,11 +630,7 @@ moe_route_decode(const bf16* __restrict__ x, const bf16* __restrict__ gate, int 
             const int i = (lane + 32 * c) * 8;
             if (i >= hidden) break;
             float b[8];
-#if ROUTE_DECODE_GATE_SMEM
-            const uint4 piece = chunk[c * 32];
-#else
             const uint4 piece = chunk[c];
-#endif
             const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&piece);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -879,15 +682,9 @@ moe_route_decode(const bf16* __restrict__ x, const bf16* __restrict__ gate, int 
         }
     }
     __syncthreads();
-    if (warp == 0) {  // experts' rows and tiles: lane l the run [first, last), a warp scan of the runs, runs walked
-        const int per_lane = (grouped + 31) / 32;
-        const int first = min(grouped, lane * per_lane), end = min(grouped, first + per_lane);
-        int rows = 0, tiles = 0;
-        for (int g = first; g < end; ++g) {
-            rows += count[g];
-            tiles += (count[g] + GROUP_TILE_ROWS - 1) / GROUP_TILE_ROWS;
-        }
-        int rows_through = rows, tiles_through = tiles;
+    if (warp == 0) {  // experts' rows and tiles: lane l a run of experts, a warp scan of the runs, runs laid out
+        const ExpertRun run = expert_run(count, grouped, lane, 32);
+        int rows_through = run.rows, tiles_through = run.tiles;
 #pragma unroll
         for (int d = 1; d < 32; d <<= 1) {
             const int r = __shfl_up_sync(0xffffffffu, rows_through, d), s = __shfl_up_sync(0xffffffffu, tiles_through, d);
@@ -896,138 +693,18 @@ moe_route_decode(const bf16* __restrict__ x, const bf16* __restrict__ gate, int 
                 tiles_through += s;
             }
         }
-        int row_before = rows_through - rows, tile_before = tiles_through - tiles;
-        for (int g = first; g < end; ++g) {
-            const int expert_rows = count[g];
-            offsets[g] = row_before;
-            for (int r = 0; r < expert_rows; r += GROUP_TILE_ROWS, ++tile_before)
-                if (tile_before < max_tiles) {
-                    tile_expert[tile_before] = g;
-                    tile_row[tile_before] = row_before + r;
-                }
-            count[g] = row_before;
-            row_before += expert_rows;
-        }
+        lay_out_expert_run(run, rows_through - run.rows, tiles_through - run.tiles, count, offsets, tile_expert,
+                           tile_row, max_tiles);
         if (lane == 31) {
             offsets[grouped] = rows_through;
             *num_tiles = min(tiles_through, max_tiles);
         }
     }
     __syncthreads();
-    for (int i = tid; i < num_tokens * row_width; i += blockDim.x) {
-        const int p = atomicAdd(&count[slot_expert[i]], 1);
-        sorted_slots[p] = i;
-        slot_pos[i] = p;
-    }
+    place_slots(num_tokens * row_width, slot_expert, count, sorted_slots, slot_pos);
 }
 
-#ifndef MMA_HOST_STANDIN  // warp intrinsics beyond the host emulation's (__match_any_sync): GPU only
-// ---------------------------------------------------------------------------------------------
-// Grouping for prefill-sized steps in three small launches, deterministic and stable (each expert's
-// slots in slot order), where moe_expert_counts + moe_place_slots have every one of E blocks read
-// all T·k ids twice:
-//   moe_chunk_counts  grid (C): chunk c's (`chunk` slots) count per expert, shared-memory atomics
-//                     -> chunk_counts [C, E]
-//   moe_chunk_scan    one block: each expert's rows before chunk c (chunk_counts in shared memory,
-//                     a thread per expert walks the chunks) plus the experts' offsets -> chunk_base
-//                     [C, E] (in place), offsets [E+1], the 64-row tile list, num_tiles
-//   moe_chunk_place   grid (C): a warp per 1/8 of the chunk; per 32-slot step __match_any_sync groups
-//                     the lanes of one expert, each lane's rank among them the earlier lanes of its
-//                     group; the warps' bases from their counts -> sorted_slots, slot_pos
-// Needs E <= GROUP_MAX_EXPERTS and C x E <= CHUNK_SCAN_ENTRIES (the caller sizes `chunk`).
-// ---------------------------------------------------------------------------------------------
-#define CHUNK_THREADS 256
-#define CHUNK_WARPS (CHUNK_THREADS / 32)
-#define CHUNK_SCAN_ENTRIES 12000  // 48 KB of static shared memory
-
-extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
-moe_chunk_counts(const int* __restrict__ ids, int num_slots, int num_experts, int chunk, int* __restrict__ chunk_counts) {
-    __shared__ int count[GROUP_MAX_EXPERTS];
-    for (int e = threadIdx.x; e < num_experts; e += CHUNK_THREADS) count[e] = 0;
-    __syncthreads();
-    const int first = blockIdx.x * chunk, last = min(num_slots, first + chunk);
-    for (int s = first + threadIdx.x; s < last; s += CHUNK_THREADS) atomicAdd(&count[ids[s]], 1);
-    __syncthreads();
-    for (int e = threadIdx.x; e < num_experts; e += CHUNK_THREADS) chunk_counts[(long long)blockIdx.x * num_experts + e] = count[e];
-}
-
-extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
-moe_chunk_scan(int* __restrict__ chunk_base /* [C, E]: counts in, rows before the chunk out */, int num_chunks,
-               int num_experts, int* __restrict__ offsets /* [E+1] */, int* __restrict__ tile_expert,
-               int* __restrict__ tile_row, int* __restrict__ num_tiles, int max_tiles) {
-    __shared__ int counts[CHUNK_SCAN_ENTRIES];
-    __shared__ int scratch[32];
-    const int tid = threadIdx.x, entries = num_chunks * num_experts;
-    for (int i = tid; i < entries; i += blockDim.x) counts[i] = chunk_base[i];
-    __syncthreads();
-    int rows = 0;  // thread e: expert e's rows, and its rows before each chunk (in place)
-    if (tid < num_experts)
-        for (int c = 0; c < num_chunks; ++c) {
-            const int n = counts[c * num_experts + tid];
-            counts[c * num_experts + tid] = rows;
-            rows += n;
-        }
-    int rows_total, tiles_total;
-    const int row_before = block_exclusive_scan(rows, scratch, &rows_total);
-    const int tile_before = block_exclusive_scan((rows + GROUP_TILE_ROWS - 1) / GROUP_TILE_ROWS, scratch, &tiles_total);
-    if (tid < num_experts) {
-        offsets[tid] = row_before;
-        for (int r = 0, tile = tile_before; r < rows && tile < max_tiles; r += GROUP_TILE_ROWS, ++tile) {
-            tile_expert[tile] = tid;
-            tile_row[tile] = row_before + r;
-        }
-        for (int c = 0; c < num_chunks; ++c) counts[c * num_experts + tid] += row_before;
-    }
-    if (tid == 0) {
-        offsets[num_experts] = rows_total;
-        *num_tiles = min(tiles_total, max_tiles);
-    }
-    __syncthreads();
-    for (int i = tid; i < entries; i += blockDim.x) chunk_base[i] = counts[i];
-}
-
-extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
-moe_chunk_place(const int* __restrict__ ids, int num_slots, int num_experts, int chunk,
-                const int* __restrict__ chunk_base, int* __restrict__ sorted_slots, int* __restrict__ slot_pos) {
-    __shared__ int base[CHUNK_WARPS][GROUP_MAX_EXPERTS];  // per warp: its slots' counts, then its next rows
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int i = threadIdx.x; i < CHUNK_WARPS * num_experts; i += CHUNK_THREADS) base[i / num_experts][i % num_experts] = 0;
-    __syncthreads();
-    const int first = blockIdx.x * chunk, last = min(num_slots, first + chunk);
-    const int per_warp = (chunk + CHUNK_WARPS - 1) / CHUNK_WARPS;
-    const int warp_first = min(last, first + warp * per_warp), warp_last = min(last, warp_first + per_warp);
-    const unsigned lanes_below = (1u << lane) - 1u;
-    for (int s0 = warp_first; s0 < warp_last; s0 += 32) {  // count: a group's lowest lane adds its size
-        const int s = s0 + lane;
-        const int e = s < warp_last ? ids[s] : -1 - lane;
-        const unsigned group = __match_any_sync(0xffffffffu, e);
-        if (e >= 0 && (group & lanes_below) == 0) base[warp][e] += __popc(group);
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < num_experts; e += CHUNK_THREADS) {  // counts -> each warp's first row
-        int row = chunk_base[(long long)blockIdx.x * num_experts + e];
-        for (int w = 0; w < CHUNK_WARPS; ++w) {
-            const int n = base[w][e];
-            base[w][e] = row;
-            row += n;
-        }
-    }
-    __syncthreads();
-    for (int s0 = warp_first; s0 < warp_last; s0 += 32) {
-        const int s = s0 + lane;
-        const int e = s < warp_last ? ids[s] : -1 - lane;
-        const unsigned group = __match_any_sync(0xffffffffu, e);
-        if (e >= 0) {
-            const int p = base[warp][e] + __popc(group & lanes_below);
-            sorted_slots[p] = s;
-            slot_pos[s] = p;
-        }
-        __syncwarp();
-        if (e >= 0 && (group & lanes_below) == 0) base[warp][e] += __popc(group);
-        __syncwarp();
-    }
-}
-
+#ifndef MMA_HOST_STANDIN  // GPU only (the host emulation runs the routing and grouping kernels above)
 // ---------------------------------------------------------------------------------------------
 // moe_combine_vec8: moe_combine (out[t] = sum_j weights[t, j] y[slot_pos[t k + j]] (+ shared[t])) with
 // 8 columns per thread: 16-byte loads of all k expert rows in flight before the sums (moe_combine: a

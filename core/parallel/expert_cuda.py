@@ -24,10 +24,11 @@ from typing import Any
 import cupy
 
 from openinfer.backend.cuda import moe as device_moe
+from openinfer.backend.cuda import moe_routing
 from openinfer.parallel.communicator import Communicator
 
 
-def local_grouping(ids: cupy.ndarray, weights: cupy.ndarray, experts: slice) -> device_moe.ExpertGroupingDevice:
+def local_grouping(ids: cupy.ndarray, weights: cupy.ndarray, experts: slice) -> moe_routing.ExpertGroupingDevice:
     """The grouping of this rank's slots among the step's ``ids`` (global expert ids) for the
     experts ``experts``: other ranks' slots go to a sentinel group whose tiles are dropped and
     whose weights are 0."""
@@ -36,7 +37,7 @@ def local_grouping(ids: cupy.ndarray, weights: cupy.ndarray, experts: slice) -> 
     held = (local >= 0) & (local < num_local)
     local_ids = cupy.where(held, local, num_local).astype(cupy.int32)
     local_weights = cupy.where(held, weights, 0).astype(cupy.float32)
-    grouping = device_moe.group_by_expert(local_ids, local_weights, num_local + 1)
+    grouping = moe_routing.group_by_expert(local_ids, local_weights, num_local + 1)
     # moe_sort lays the tiles out in expert order: the sentinel's are the last ones
     first = cupy.arange(grouping.max_tiles, dtype=cupy.int32)
     mine = (first < grouping.num_tiles[0]) & (grouping.tile_expert[: grouping.max_tiles] < num_local)
@@ -44,7 +45,7 @@ def local_grouping(ids: cupy.ndarray, weights: cupy.ndarray, experts: slice) -> 
     return grouping
 
 
-def zero_other_slots(y: cupy.ndarray, grouping: device_moe.ExpertGroupingDevice, num_local: int) -> cupy.ndarray:
+def zero_other_slots(y: cupy.ndarray, grouping: moe_routing.ExpertGroupingDevice, num_local: int) -> cupy.ndarray:
     """Rows of the sentinel's slots (sorted after every local expert's) set to 0: no GEMM wrote
     them, and moe_combine multiplies them by a 0 weight (0 · NaN would still be NaN)."""
     rows = cupy.arange(y.shape[0], dtype=cupy.int32)[:, None]
@@ -71,7 +72,7 @@ def expert_parallel_moe_device(backend: Any, x: cupy.ndarray, layer: device_moe.
     if layer.gate_up.num_experts != num_local:
         raise ValueError(f"rank {comm.rank} holds {layer.gate_up.num_experts} stacked experts, its range "
                          f"{experts.start}..{experts.stop} has {num_local}")
-    ids, weights = device_moe.route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
+    ids, weights = moe_routing.route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
     grouping = local_grouping(ids, weights, experts)
     hidden = device_moe.grouped_gemm(x, layer.gate_up, grouping, gather=True)
     y = device_moe.grouped_gemm(backend.silu_mul(hidden), layer.down, grouping, gather=False)

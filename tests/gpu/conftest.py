@@ -53,6 +53,33 @@ def bf16_random(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np
     return bf16_bits_to_float(float_to_bf16_bits(rng.standard_normal(shape).astype(np.float32) * scale))
 
 
+def moe_router_case(backend, rng: np.random.Generator, experts: int, top_k: int, hidden: int, *,
+                    scoring: str = "sigmoid", scaling: float = 2.446, shared: int = 0, inter: int = 0,
+                    expert_width: int | None = None, gate_scale: float = 0.1, bias_scale: float = 0.3):
+    """A ``DeviceMoE`` for the routing tests: ``RouterSpec(experts, top_k, scoring)`` (norm_topk_prob unless softmax,
+    ``scaling``), a bf16 router gate [experts, hidden] of scale ``gate_scale``, a correction bias of scale ``bias_scale``
+    (none for softmax routers or ``bias_scale`` 0), ``shared`` fused shared experts; with ``inter``, bf16 expert stacks
+    gate_up [E + S, 2 inter, width] and down [E + S, width, inter] (width: ``expert_width``, default ``hidden``; scale
+    0.05), else none (routing only)."""
+    import cupy
+
+    from openinfer.backend.cuda import moe
+    from openinfer.moe import RouterSpec
+
+    spec = RouterSpec(experts, top_k, scoring, norm_topk_prob=scoring != "softmax", routed_scaling_factor=scaling)
+    gate = backend.weight(bf16_random(rng, experts, hidden, scale=gate_scale))
+    bias = (None if scoring == "softmax" or not bias_scale
+            else cupy.asarray((bias_scale * rng.standard_normal(experts)).astype(np.float32)))
+    gate_up = down = None
+    if inter:
+        width = expert_width or hidden
+        gate_up = moe.ExpertLinear("bf16", backend.weight(bf16_random(rng, experts + shared, 2 * inter, width,
+                                                                      scale=0.05)), None, 2 * inter, width)
+        down = moe.ExpertLinear("bf16", backend.weight(bf16_random(rng, experts + shared, width, inter, scale=0.05)),
+                                None, width, inter)
+    return moe.DeviceMoE(spec, gate, bias, gate_up, down, shared_experts=shared)
+
+
 def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
     ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
     assert np.isfinite(ours).all(), "non-finite values in the cuda result"

@@ -65,6 +65,7 @@ def test_repacked_experts_equal_checkpoint_layout(cuda_backend, cuda_moe, rng, l
     (LAYOUT_GEMVS: moe_gemv_int4_tiled, moe_gemv_int4_groups, and what "auto" runs within LANE_GROUPS_CHOICE)
     apply the scales after the mma: fp32 rounding apart. N = 96 (six 16-row blocks: a block's last warps past
     N), K = 1152 (nine 128-weight chunks: the rings wrap); and the dequantized NumPy product."""
+    from openinfer.backend.cuda import moe_routing
     moe = cuda_moe
     num_experts, top_k, out_features, in_features = 8, 2, 96, 1152
     rows_weight, reference = _int4_experts(rng, num_experts, out_features, in_features)
@@ -74,7 +75,7 @@ def test_repacked_experts_equal_checkpoint_layout(cuda_backend, cuda_moe, rng, l
     ids = rng.choice([0, 2, 3, 4, 5, 6, 7], (tokens, top_k)).astype(np.int32)  # expert 1 idle
     if tokens == 40:
         ids[:, 0] = 2
-    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
     gemv = gemv_kernel is not False
     kernel = gemv_kernel or None
     outs = [cuda_backend.to_host(moe.grouped_gemm(cuda_backend.upload(x), weight, grouping, gather=True, gemv=gemv,
@@ -154,6 +155,7 @@ def test_lane_groups_one_token_choice_and_shared_memory(cuda_moe, rng, monkeypat
     """LANE_GROUPS_ONE_TOKEN runs a one-token grouped step (every tile one row) ahead of LANE_GROUPS_CHOICE, and only
     there (LANE_GROUPS_ONE_TOKEN_FUSED, where set, the fused SiLU·mul gate_up); a forced kernel wins; groups_shared_bytes sizes GROUPS_XSMEM's staged rows and the shared-memory ring, and
     says clearly when a block cannot hold them."""
+    from openinfer.backend.cuda import moe_routing
     moe = cuda_moe
     weight = moe.tiled_int4(_int4_experts(rng, 4, 64, 256)[0], "lane_groups")
     monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
@@ -166,8 +168,8 @@ def test_lane_groups_one_token_choice_and_shared_memory(cuda_moe, rng, monkeypat
     # a forced kernel (the name choose_gemv hands over) runs as it is
     assert moe.layout_gemv(weight, "groups_norot", "groups_norot", 0.02, one_token=True) == "groups_norot"
     x = cupy.asarray(float32_to_bf16(rng.standard_normal((1, 256)).astype(np.float32)))
-    one = moe.group_by_expert(cupy.asarray(np.array([[0, 2]], np.int32)), cupy.ones((1, 2), cupy.float32), 4)
-    two = moe.group_by_expert(cupy.asarray(np.array([[0, 2], [0, 1]], np.int32)), cupy.ones((2, 2), cupy.float32), 4)
+    one = moe_routing.group_by_expert(cupy.asarray(np.array([[0, 2]], np.int32)), cupy.ones((1, 2), cupy.float32), 4)
+    two = moe_routing.group_by_expert(cupy.asarray(np.array([[0, 2], [0, 1]], np.int32)), cupy.ones((2, 2), cupy.float32), 4)
     monkeypatch.setenv(moe.GEMV_SILU_ENV, "1")
     assert moe.gemv_silu_kernel(x, weight, one) == "groups_xs1"
     monkeypatch.setattr(moe, "LANE_GROUPS_ONE_TOKEN_FUSED", "groups_xs_d2")  # the fused gate_up's own
@@ -246,6 +248,7 @@ def test_gate_up_silu_gemv_equals_unfused(cuda_backend, cuda_moe, rng, monkeypat
     the 16 up rows) gives the bits of the same GEMV then elementwise silu_mul; I = 48 (three 16-row blocks
     per half: a block's last warp past I), K = 1152 (nine chunks: the ring wraps across the gate/up seam);
     routed_experts takes it where the switch is on and the step's GEMV is a register-ring tiled one."""
+    from openinfer.backend.cuda import moe_routing
     moe = cuda_moe
     num_experts, top_k, inter, hidden = 8, 2, 48, 1152
     gate_up = moe.tiled_int4(_int4_experts(rng, num_experts, 2 * inter, hidden)[0])
@@ -253,7 +256,7 @@ def test_gate_up_silu_gemv_equals_unfused(cuda_backend, cuda_moe, rng, monkeypat
     ids = rng.choice([0, 2, 3, 4, 5, 6, 7], (tokens, top_k)).astype(np.int32)
     if tokens == 40:
         ids[:, 0] = 2
-    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
     unfused = cuda_backend.silu_mul(moe.grouped_gemm(x, gate_up, grouping, gather=True, gemv=True,
                                                      gemv_kernel=gemv_kernel))
     fused = moe.gate_up_silu_gemv(x, gate_up, grouping, gemv_kernel)
@@ -277,13 +280,14 @@ def test_wide_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, monkeypat
     """OPENINFER_MOE_GEMV_SILU=1 on bf16 experts (Moonlight's decode GEMV, moe_gemv_wide): each warp's columns
     half gate, half up, SiLU·mul in its epilogue; the bits of the same GEMV then silu_mul. I = 42 (a warp
     past I), H = 264 (a partial last pass); gemv_silu_kernel names the step's wide GEMV (unset: the table's)."""
+    from openinfer.backend.cuda import moe_routing
     moe = cuda_moe
     num_experts, top_k, inter, hidden = 8, 2, 42, 264
     gate_up = moe.upload_expert_linear("bf16", float32_to_bf16(bf16_random(rng, num_experts, 2 * inter, hidden,
                                                                            scale=0.05)), None, (2 * inter, hidden))
     x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
     ids = rng.choice([0, 2, 3, 4, 5, 6, 7], (tokens, top_k)).astype(np.int32)
-    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
     unfused = cuda_backend.silu_mul(moe.grouped_gemm(x, gate_up, grouping, gather=True, gemv=True,
                                                      gemv_kernel=gemv_kernel))
     fused = moe.gate_up_silu_gemv(x, gate_up, grouping, gemv_kernel)
@@ -351,6 +355,7 @@ def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, mo
     the NumPy composition; I = 40 (a block's last warp past I, gate and up rows in different 16-row blocks),
     K = 1152 (nine chunks: the ring wraps). routed_experts takes it unset up to LANE_GROUPS_SILU_MAX_SLOTS slots per
     expert, with =1 at any size, never with =0."""
+    from openinfer.backend.cuda import moe_routing
     moe = cuda_moe
     num_experts, top_k, inter, hidden = 8, 2, 40, 1152
     rows_weight, reference = _int4_experts(rng, num_experts, 2 * inter, hidden)
@@ -360,7 +365,7 @@ def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, mo
     ids = rng.choice([0, 2, 3, 4, 5, 6, 7], (tokens, top_k)).astype(np.int32)
     if tokens == 40:
         ids[:, 0] = 2
-    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
     unfused = cuda_backend.silu_mul(moe.grouped_gemm(x, gate_up, grouping, gather=True, gemv=True,
                                                      gemv_kernel=gemv_kernel))
     fused = moe.gate_up_silu_gemv(x, gate_up, grouping, gemv_kernel)
@@ -390,12 +395,13 @@ def test_lane_groups_row_blocks_equal_one(cuda_backend, cuda_moe, rng, monkeypat
     grid narrower): the bits of one column block per block (the same sums per row), N = 1040 (17 blocks of 64
     columns, a last block past N); "auto" picks by waves: Kimi-K2's batch-1 down (112 x 9 blocks) twice, its
     gate_up (64 x 9) and any prefill-sized grid once; a bad value is a clear error."""
+    from openinfer.backend.cuda import moe_routing
     moe = cuda_moe
     num_experts, top_k, out_features, in_features = 8, 4, 1040, 256
     weight = moe.tiled_int4(_int4_experts(rng, num_experts, out_features, in_features)[0], "lane_groups")
     x = cuda_backend.upload(bf16_random(rng, tokens, in_features))
     ids = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
-    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
     monkeypatch.delenv(moe.INT4_ROW_BLOCKS_ENV, raising=False)
     one = cupy.asnumpy(moe.grouped_gemm(x, weight, grouping, gather=True, gemv=True, gemv_kernel="groups_norot"))
     monkeypatch.setenv(moe.INT4_ROW_BLOCKS_ENV, row_blocks)
@@ -477,7 +483,7 @@ def test_weight_prefetch_is_a_hint(cuda_backend, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("silu", ["0", "1"])
-@pytest.mark.parametrize("router", ["warps", "blocks", "fused"])
+@pytest.mark.parametrize("router", ["decode", "route_sort"])
 def test_decode_pdl_same_bits(cuda_backend, cuda_moe, rng, monkeypatch, router, silu):
     """OPENINFER_DECODE_PDL=1 (programmatic dependent launch of gemv_m1, gemv_m1_rms_scaled, the decode routers,
     moe_route_sort and moe_gemv_int4_groups; weights loaded before the wait for the previous kernel): a batch-1
@@ -486,6 +492,7 @@ def test_decode_pdl_same_bits(cuda_backend, cuda_moe, rng, monkeypatch, router, 
     GEMV loads its first weight chunks before the wait (DECODE_PDL 2), after silu_mul or (OPENINFER_MOE_GEMV_SILU=1)
     right after the fused gate_up GEMV."""
     from openinfer.backend.cuda import linear as cuda_linear
+    from openinfer.backend.cuda import moe_routing
     from openinfer.moe import RouterSpec
 
     moe = cuda_moe
@@ -501,8 +508,8 @@ def test_decode_pdl_same_bits(cuda_backend, cuda_moe, rng, monkeypatch, router, 
                           moe.tiled_int4(gate_up, "lane_groups"), moe.tiled_int4(down, "lane_groups"))
     x = cuda_backend.upload(bf16_random(rng, 1, q_lora))
     monkeypatch.setenv(cuda_linear.RMS_SCALED_GEMV_ENV, "1")
-    monkeypatch.setenv(moe.ROUTER_BLOCKS_ENV, "1" if router == "blocks" else "0")
-    monkeypatch.setenv(moe.ROUTER_FUSED_ENV, "1" if router == "fused" else "0")
+    # moe_route_decode (one launch) or router_logits + moe_route_sort (launched with PDL)
+    monkeypatch.setenv(moe_routing.ROUTE_DECODE_ENV, "1" if router == "decode" else "0")
     monkeypatch.setenv(moe.GEMV_SILU_ENV, silu)
 
     def step():

@@ -18,7 +18,7 @@ from openinfer.quant import (
     quantize_fp8_block,
     quantize_int4_group,
 )
-from tests.gpu.conftest import bf16_random, relative_error
+from tests.gpu.conftest import bf16_random, moe_router_case, relative_error
 from tests.gpu.mla_steps import ragged_mla_step
 
 cupy = pytest.importorskip("cupy")
@@ -35,10 +35,10 @@ BF16_TOL = 2e-2
     RouterSpec(48, 6, "sqrtsoftplus", routed_scaling_factor=1.5),
 ], ids=["sigmoid", "groups", "softmax", "sqrtsoftplus"])
 def test_moe_route_matches_numpy(cuda_backend, cuda_moe, rng, spec):
-    moe = cuda_moe
+    from openinfer.backend.cuda import moe_routing
     x, gate = bf16_random(rng, 77, 256), bf16_random(rng, spec.num_experts, 256, scale=0.1)
     bias = (0.3 * rng.standard_normal(spec.num_experts)).astype(np.float32) if spec.scoring != "softmax" else None
-    ids, weights = moe.route(cuda_backend.upload(x), cuda_backend.weight(gate), spec,
+    ids, weights = moe_routing.route(cuda_backend.upload(x), cuda_backend.weight(gate), spec,
                              None if bias is None else cupy.asarray(bias))
     ref_weights, ref_ids = route(x @ gate.T, spec, bias)
     ids, weights = ids.get(), weights.get()
@@ -54,6 +54,7 @@ def test_fast_routing_equals_default(cuda_backend, cuda_moe, rng, monkeypatch, t
     gives moe_sort's offsets and tile list, each expert's segment holding exactly its slots, and
     moe_combine over a block per 256 columns the same output. Kimi-K2's 384 experts top-8 at 7168
     wide; 256 tokens: experts with more than one 64-row tile."""
+    from openinfer.backend.cuda import moe_routing
     moe = cuda_moe
     spec = RouterSpec(384, 8, "sigmoid", routed_scaling_factor=2.827)
     x = cuda_backend.upload(bf16_random(rng, tokens, 7168))
@@ -65,9 +66,9 @@ def test_fast_routing_equals_default(cuda_backend, cuda_moe, rng, monkeypatch, t
     slot_rows = bf16_random(rng, tokens * 8, 7168)  # each slot's expert output, by slot
     shared = cuda_backend.upload(bf16_random(rng, tokens, 7168))
     for fast in ("0", "1"):
-        monkeypatch.setenv(moe.FAST_ROUTING_ENV, fast)
-        ids, weights = moe.route(x, gate, spec, bias)
-        grouping = moe.group_by_expert(ids, weights, 384)
+        monkeypatch.setenv(moe_routing.FAST_ROUTING_ENV, fast)
+        ids, weights = moe_routing.route(x, gate, spec, bias)
+        grouping = moe_routing.group_by_expert(ids, weights, 384)
         count = int(grouping.num_tiles.get()[0])
         results[fast] = (ids.get(), weights.get(), grouping.offsets.get(), grouping.tile_expert.get()[:count],
                          grouping.tile_row.get()[:count], grouping.sorted_slots.get(), grouping.slot_pos.get())
@@ -92,21 +93,21 @@ def test_router_logits_mma_matches_numpy(cuda_backend, cuda_moe, rng, tokens, ex
     and moe_router_logits: token, expert and hidden counts off its 64-wide tiles (zeros past them), Moonlight's
     and Kimi-K2's router shapes; the route it feeds picks the same experts, moe_route in blocks of a thread
     per expert (``narrow``) the same ids and weights as in 256-thread blocks."""
-    moe = cuda_moe
+    from openinfer.backend.cuda import moe_routing
     spec = RouterSpec(experts, 6, "sigmoid", routed_scaling_factor=2.446)
     x, gate = bf16_random(rng, tokens, hidden), bf16_random(rng, experts, hidden, scale=0.05)
     x_device, gate_device = cuda_backend.upload(x), cuda_backend.weight(gate)
-    tiled = moe.router_logits(x_device, gate_device, spec, mma=True)
-    warps = moe.router_logits(x_device, gate_device, spec, mma=False)
+    tiled = moe_routing.router_logits(x_device, gate_device, spec, mma=True)
+    warps = moe_routing.router_logits(x_device, gate_device, spec, mma=False)
     reference = x @ gate.T
     scale = np.abs(reference).max()
     assert tiled.shape == (tokens, experts)
     assert np.abs(tiled.get() - reference).max() <= 1e-5 * scale
     assert np.abs(tiled.get() - warps.get()).max() <= 1e-5 * scale
-    ids, weights = moe.select_experts(x_device, gate_device, spec, None, tiled, narrow=False)
+    ids, weights = moe_routing.select_experts(x_device, gate_device, spec, None, tiled, narrow=False)
     ref_ids = route(reference, spec)[1]
     assert np.array_equal(np.sort(ids.get(), 1), np.sort(ref_ids, 1))
-    narrow_ids, narrow_weights = moe.select_experts(x_device, gate_device, spec, None, tiled, narrow=True)
+    narrow_ids, narrow_weights = moe_routing.select_experts(x_device, gate_device, spec, None, tiled, narrow=True)
     assert np.array_equal(narrow_ids.get(), ids.get()) and np.array_equal(narrow_weights.get(), weights.get())
 
 
@@ -114,31 +115,28 @@ def test_router_logits_mma_matches_numpy(cuda_backend, cuda_moe, rng, tokens, ex
     (1, 384, 8, 0, 7168, "sigmoid"), (4, 384, 8, 1, 7168, "sigmoid"), (1, 64, 6, 2, 2048, "sigmoid"),
     (3, 60, 4, 0, 264, "softmax"), (2, 512, 16, 0, 256, "sqrtsoftplus")],
     ids=["kimi1", "kimi4_shared", "moonlight1_shared2", "softmax3", "sqrtsoftplus2"])
-def test_router_blocks_and_fused_route_match_numpy(cuda_backend, cuda_moe, rng, monkeypatch, tokens, experts, top_k,
-                                                   shared, hidden, scoring):
-    """Decode-sized routing with a block per expert: moe_router_logits_blocks (OPENINFER_MOE_ROUTER_BLOCKS=1)
-    against NumPy's fp32 logits; moe_router_route_sort (OPENINFER_MOE_ROUTER_FUSED=1, logits + top-k + grouping in
-    one launch, the last block routing) against NumPy's route and moe_sort_parallel's layout of its ids (fused
-    shared experts' columns too), the bits of the two launches (blocks logits + moe_route_sort), three eager calls
-    and two graph replays alike (the ticket counter starts at zero each time)."""
-    moe = cuda_moe
-    router = RouterSpec(experts, top_k, scoring, norm_topk_prob=scoring != "softmax", routed_scaling_factor=2.446)
-    x, gate = bf16_random(rng, tokens, hidden), bf16_random(rng, experts, hidden, scale=0.05)
-    bias = None if scoring == "softmax" else (0.3 * rng.standard_normal(experts)).astype(np.float32)
-    x_device, gate_device = cuda_backend.upload(x), cuda_backend.weight(gate)
-    layer = moe.DeviceMoE(router, gate_device, None if bias is None else cupy.asarray(bias), None, None,
-                          shared_experts=shared)
+def test_route_sort_matches_numpy(cuda_backend, cuda_moe, rng, monkeypatch, tokens, experts, top_k, shared, hidden,
+                                  scoring):
+    """Decode-sized routing in two launches (router_logits, then moe_route_sort: top-k and grouping in one block)
+    against NumPy's fp32 logits and route and moe_sort_parallel's layout of its ids (fused shared experts' columns
+    too); three eager calls and two graph replays alike."""
+    from openinfer.backend.cuda import moe_routing
+    from openinfer.backend.cuda.bf16 import bf16_bits_to_float
+
+    layer = moe_router_case(cuda_backend, rng, experts, top_k, hidden, scoring=scoring, shared=shared, gate_scale=0.05)
+    router, gate_device = layer.router, layer.gate
+    gate = bf16_bits_to_float(gate_device.get())
+    bias = None if layer.correction_bias is None else layer.correction_bias.get()
+    x = bf16_random(rng, tokens, hidden)
+    x_device = cuda_backend.upload(x)
     reference = x @ gate.T
     scale = np.abs(reference).max()
-    monkeypatch.setenv(moe.ROUTER_BLOCKS_ENV, "1")
-    assert moe.router_blocks_wanted(tokens)
-    blocks = moe.router_logits(x_device, gate_device, router)
-    assert blocks.shape == (tokens, experts)
-    assert np.abs(blocks.get() - reference).max() <= 1e-5 * scale
+    logits = moe_routing.router_logits(x_device, gate_device, router)
+    assert logits.shape == (tokens, experts)
+    assert np.abs(logits.get() - reference).max() <= 1e-5 * scale
     ref_weights, ref_ids = route(reference, router, bias)
-    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
-    monkeypatch.setenv(moe.ROUTER_FUSED_ENV, "1")
-    assert moe.route_sort_wanted(tokens, router, None, shared) and moe.router_fused_wanted(x_device, gate_device)
+    monkeypatch.setenv(moe_routing.ROUTE_SORT_ENV, "1")
+    assert moe_routing.route_sort_wanted(tokens, router, None, shared)
 
     def check(grouping):
         ids, weights = grouping.ids.get(), grouping.weights.get()
@@ -149,7 +147,7 @@ def test_router_blocks_and_fused_route_match_numpy(cuda_backend, cuda_moe, rng, 
         assert np.array_equal(np.take_along_axis(ids[:, :top_k], order, 1), np.take_along_axis(ref_ids, ref_order, 1))
         assert np.allclose(np.take_along_axis(weights[:, :top_k], order, 1),
                            np.take_along_axis(ref_weights, ref_order, 1), rtol=1e-4, atol=1e-5)
-        single = moe.group_by_expert(grouping.ids, grouping.weights, experts + shared, method="single")
+        single = moe_routing.group_by_expert(grouping.ids, grouping.weights, experts + shared, method="single")
         offsets, tiles = single.offsets.get(), int(single.num_tiles.get()[0])
         assert np.array_equal(grouping.offsets.get(), offsets)
         assert grouping.max_tiles == single.max_tiles and int(grouping.num_tiles.get()[0]) == tiles
@@ -161,24 +159,17 @@ def test_router_blocks_and_fused_route_match_numpy(cuda_backend, cuda_moe, rng, 
             assert np.array_equal(np.sort(sorted_slots[offsets[e]:offsets[e + 1]]), np.flatnonzero(flat == e))
         return ids, weights
 
-    first = check(moe.route_and_group(x_device, layer))
-    monkeypatch.setenv(moe.ROUTER_FUSED_ENV, "0")  # blocks logits (the fused kernel's block size) + moe_route_sort
-    two = check(moe.route_and_group(x_device, layer))
-    assert all(np.array_equal(a, b) for a, b in zip(two, first, strict=True))
-    monkeypatch.setenv(moe.ROUTE_SORT_WARP_ENV, "1")  # moe_route_sort in one warp (at 1-2 tokens)
-    assert all(np.array_equal(a, b) for a, b in zip(check(moe.route_and_group(x_device, layer)), first, strict=True))
-    monkeypatch.setenv(moe.ROUTE_SORT_WARP_ENV, "0")
-    monkeypatch.setenv(moe.ROUTER_FUSED_ENV, "1")
+    first = check(moe_routing.route_and_group(x_device, layer, one_launch=False))
     for _ in range(2):
-        again = check(moe.route_and_group(x_device, layer))
+        again = check(moe_routing.route_and_group(x_device, layer, one_launch=False))
         assert all(np.array_equal(a, b) for a, b in zip(again, first, strict=True))
     pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
     with cupy.cuda.using_allocator(pool.malloc), stream:
-        moe.route_and_group(x_device, layer)
+        moe_routing.route_and_group(x_device, layer, one_launch=False)
         stream.synchronize()
         stream.begin_capture()
         try:
-            grouping = moe.route_and_group(x_device, layer)
+            grouping = moe_routing.route_and_group(x_device, layer, one_launch=False)
         finally:
             graph = stream.end_capture()
         for _ in range(2):
@@ -194,13 +185,13 @@ def test_group_blocks_equal_sort_parallel(cuda_backend, cuda_moe, rng, tokens, e
     offsets and tile list, each expert's segment its slots in slot order, slot_pos the inverse; an
     expert with no slot, one with dozens of 64-row tiles; 9003 slots: two passes of 1024 threads x 8
     slots and a partial last group of 8."""
-    moe = cuda_moe
+    from openinfer.backend.cuda import moe_routing
     ids = np.stack([rng.choice(np.arange(1, experts), top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
     if tokens >= 700:
         ids[:, 0] = experts - 1  # every token: ⌈tokens / 64⌉ tiles of the last expert
     weights = cupy.ones(ids.shape, cupy.float32)
-    blocks = moe.group_by_expert(cupy.asarray(ids), weights, experts, per_expert_blocks=True)
-    single = moe.group_by_expert(cupy.asarray(ids), weights, experts, per_expert_blocks=False)
+    blocks = moe_routing.group_by_expert(cupy.asarray(ids), weights, experts, per_expert_blocks=True)
+    single = moe_routing.group_by_expert(cupy.asarray(ids), weights, experts, per_expert_blocks=False)
     offsets = single.offsets.get()
     assert offsets[1] == 0  # expert 0: no slot
     assert np.array_equal(blocks.offsets.get(), offsets)
@@ -216,12 +207,12 @@ def test_group_blocks_equal_sort_parallel(cuda_backend, cuda_moe, rng, tokens, e
 
 
 def test_moe_hash_routing(cuda_backend, cuda_moe, rng):
-    moe = cuda_moe
+    from openinfer.backend.cuda import moe_routing
     spec = RouterSpec(16, 3, "sqrtsoftplus", routed_scaling_factor=1.5)
     x, gate = bf16_random(rng, 9, 64), bf16_random(rng, 16, 64, scale=0.1)
     tid2eid = np.stack([rng.permutation(16)[:3] for _ in range(50)]).astype(np.int64)
     token_ids = rng.integers(0, 50, 9).astype(np.int32)
-    ids, weights = moe.route(cuda_backend.upload(x), cuda_backend.weight(gate), spec, None,
+    ids, weights = moe_routing.route(cuda_backend.upload(x), cuda_backend.weight(gate), spec, None,
                              cupy.asarray(token_ids), cupy.asarray(tid2eid))
     ref_weights, ref_ids = route(x @ gate.T, spec, token_ids=token_ids, tid2eid=tid2eid)
     assert np.array_equal(ids.get(), ref_ids)
@@ -259,6 +250,7 @@ def test_fused_moe_matches_numpy_experts(cuda_backend, cuda_moe, rng, fmt, gemv,
     decode kernels (moe_gemv, moe_gemv_wide's shapes, moe_gemv_mma: a 70-row tile in five passes)
     on the same tiles, and cuBLAS per expert (the prefill path, its row threshold lowered to take
     this small batch)."""
+    from openinfer.backend.cuda import moe_routing
     moe = cuda_moe
     num_experts, top_k, hidden, inter, tokens = 8, 3, 160, 224, 90
     gate_up, gate_up_ref = _expert_weights(rng, fmt, num_experts, 2 * inter, hidden)
@@ -274,7 +266,7 @@ def test_fused_moe_matches_numpy_experts(cuda_backend, cuda_moe, rng, fmt, gemv,
     ids = rng.choice([0, 1, 2, 3, 5, 6, 7], (tokens, top_k)).astype(np.int32)
     ids[:70, 0] = 1  # expert 1 gets more than one 64-row tile; expert 4 none
     weights = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
-    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), num_experts)
+    grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), num_experts)
     offsets = grouping.offsets.get()
     assert offsets[5] - offsets[4] == 0 and offsets[2] - offsets[1] > 64
     h = moe.grouped_gemm(cuda_backend.upload(x), gate_up, grouping, gather=True, gemv=forced, gemv_kernel=kernel,
@@ -295,6 +287,7 @@ def test_pipelined_grouped_gemm_matches_tiles_and_numpy(cuda_backend, cuda_moe, 
     fused: I = 224, a half-used last block): the same bits as the per-tile GEMM (the same mma k order),
     the fused gate_up the same bits as gate_up then silu_mul, the whole experts within bf16 of NumPy,
     and a CUDA graph replay of the pipelined experts equal to the eager run."""
+    from openinfer.backend.cuda import moe_routing
     moe = cuda_moe
     monkeypatch.setattr(moe, "PIPE_STAGES", stages)
     num_experts, top_k, hidden, inter, tokens = 8, 3, 160, 224, 90
@@ -304,7 +297,7 @@ def test_pipelined_grouped_gemm_matches_tiles_and_numpy(cuda_backend, cuda_moe, 
     ids = rng.choice([0, 1, 2, 3, 5, 6, 7], (tokens, top_k)).astype(np.int32)
     ids[:70, 0] = 1
     weights = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
-    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), num_experts)
+    grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), num_experts)
     assert moe.pipelined_ready(x, gate_up, fuse_silu=True)
 
     def experts(mode: str):
@@ -341,6 +334,7 @@ def test_pipelined_mode_switch(cuda_backend, cuda_moe, rng, monkeypatch):
     kernel above PIPELINED_ABOVE_ROWS_PER_EXPERT slots per expert (up to it, the decode GEMV), never for
     other formats or a forced GEMV; moe_forward fuses gate_up only in fused mode; a bad value is a clear
     error."""
+    from openinfer.backend.cuda import moe_routing
     moe = cuda_moe
     monkeypatch.delenv(moe.PIPELINED_ENV, raising=False)
     monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
@@ -351,14 +345,14 @@ def test_pipelined_mode_switch(cuda_backend, cuda_moe, rng, monkeypatch):
         moe.pipelined_mode()
     monkeypatch.setenv(moe.PIPELINED_ENV, "fused")
     weight, _ = _expert_weights(rng, "bf16", 4, 64, 64)
-    few = moe.group_by_expert(cupy.asarray(np.arange(4, dtype=np.int32).reshape(4, 1)), cupy.ones((4, 1), cupy.float32), 4)
-    many = moe.group_by_expert(cupy.asarray((np.arange(32) % 4).astype(np.int32).reshape(32, 1)),
+    few = moe_routing.group_by_expert(cupy.asarray(np.arange(4, dtype=np.int32).reshape(4, 1)), cupy.ones((4, 1), cupy.float32), 4)
+    many = moe_routing.group_by_expert(cupy.asarray((np.arange(32) % 4).astype(np.int32).reshape(32, 1)),
                                cupy.ones((32, 1), cupy.float32), 4)
     x_few, x_many = (cuda_backend.upload(bf16_random(rng, n, 64)) for n in (4, 32))
     assert not moe.pipelined_gate_up(x_few, weight, few, None)  # 1 slot per expert: the GEMV
     assert moe.pipelined_gate_up(x_many, weight, many, None)
     bound = int(moe.PIPELINED_ABOVE_ROWS_PER_EXPERT * 4)  # exactly at the bound: still the GEMV
-    at_bound = moe.group_by_expert(cupy.asarray((np.arange(bound) % 4).astype(np.int32).reshape(bound, 1)),
+    at_bound = moe_routing.group_by_expert(cupy.asarray((np.arange(bound) % 4).astype(np.int32).reshape(bound, 1)),
                                    cupy.ones((bound, 1), cupy.float32), 4)
     assert not moe.pipelined_gate_up(cuda_backend.upload(bf16_random(rng, bound, 64)), weight, at_bound, None)
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "mma")
@@ -393,6 +387,7 @@ def test_sm90_grouped_gemm_matches_numpy(cuda_backend, cuda_moe, sm90_moe, rng, 
     per expert; the whole experts + combine within bf16 of run_experts; a CUDA graph replay equals
     the eager run (nothing read back on the host). Pairs (TMA multicast): 256-slot units, expert 7's
     5 slots leave the pair's second CTA without a slot."""
+    from openinfer.backend.cuda import moe_routing
     moe, moe_sm90 = cuda_moe, sm90_moe
     num_experts, top_k, hidden, inter, tokens = 8, 3, 200, 152, 300
     gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
@@ -403,7 +398,7 @@ def test_sm90_grouped_gemm_matches_numpy(cuda_backend, cuda_moe, sm90_moe, rng, 
     ids[:260, 0] = 1  # expert 1: 260 slots (three m-tiles)
     ids[:5, 2] = 7  # expert 7: 5 slots; expert 4: none
     weights = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
-    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), num_experts)
+    grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), num_experts)
     offsets, sorted_slots = grouping.offsets.get(), grouping.sorted_slots.get()
     counts = np.diff(offsets)
     assert counts[4] == 0 and counts[1] == 260 and counts[7] == 5
@@ -452,6 +447,7 @@ def test_sm90_switch_and_dispatch(cuda_backend, cuda_moe, sm90_moe, rng, monkeyp
     """OPENINFER_MOE_SM90: off by default; 1 sends bf16 grouped GEMMs above SM90_ABOVE_ROWS_PER_EXPERT
     slots per expert (and moe_forward's fused gate_up) to the Hopper kernel, whose result matches the
     per-tile GEMM; never INT4 weights, a forced GEMV or fewer slots; a bad value is a clear error."""
+    from openinfer.backend.cuda import moe_routing
     moe, moe_sm90 = cuda_moe, sm90_moe
     monkeypatch.delenv(moe_sm90.SM90_ENV, raising=False)
     monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
@@ -466,7 +462,7 @@ def test_sm90_switch_and_dispatch(cuda_backend, cuda_moe, sm90_moe, rng, monkeyp
     ids = (np.arange(many_slots) % num_experts).astype(np.int32).reshape(-1, 1)
     x_host = bf16_random(rng, many_slots, hidden)
     x = cuda_backend.upload(x_host)
-    many = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    many = moe_routing.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
     assert moe_sm90.sm90_experts(x, weight, many_slots)
     assert not moe_sm90.sm90_experts(x, weight, moe_sm90.SM90_ABOVE_ROWS_PER_EXPERT * num_experts)
     int4, _ = _expert_weights(rng, "int4", num_experts, 128, hidden)
@@ -554,6 +550,7 @@ def test_staged_gemv_on_expert_tiles_equals_mma(cuda_backend, cuda_moe, rng, gem
     """moe_gemv_mma_staged over moe_sort's tiles (gathered token rows, an empty expert, a 70-row
     tile in five passes): the bits of moe_gemv_mma, and the dequantized product. It reads the
     checkpoint layout (uploads in it whatever $OPENINFER_INT4_LAYOUT says)."""
+    from openinfer.backend.cuda import moe_routing
     moe = cuda_moe
     monkeypatch.setenv(moe.INT4_LAYOUT_ENV, "rows")
     num_experts, top_k, out_features, in_features, tokens = 8, 2, 96, 1024, 40
@@ -562,7 +559,7 @@ def test_staged_gemv_on_expert_tiles_equals_mma(cuda_backend, cuda_moe, rng, gem
     x = bf16_random(rng, tokens, in_features)
     ids = rng.choice([0, 1, 2, 3, 5, 6, 7], (tokens, top_k)).astype(np.int32)
     ids[:, 0] = 1  # expert 1: 40 rows
-    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
     outs = {name: cuda_backend.to_host(moe.grouped_gemm(cuda_backend.upload(x), weight, grouping, gather=True,
                                                         gemv=True, gemv_kernel=name))
             for name in (gemv_kernel, "mma")}

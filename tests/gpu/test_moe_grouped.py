@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from openinfer.moe import RouterSpec
-from tests.gpu.conftest import bf16_random, relative_error
+from tests.gpu.conftest import bf16_random, moe_router_case, relative_error
 from tests.gpu.test_kimi_ops import _expert_rows_reference, _expert_weights
 
 cupy = pytest.importorskip("cupy")
@@ -100,8 +100,9 @@ def _shared_fusion_case(cuda_backend, rng, num_experts, top_k, shared, hidden, i
 
 def _fused_grouping(moe, x, fused):
     """The fused layer's routing of ``x`` (shared experts appended), grouped by expert."""
-    ids, weights = moe.route(x, fused.gate, fused.router, fused.correction_bias, shared_experts=fused.shared_experts)
-    return moe.group_by_expert(ids, weights, fused.gate_up.num_experts)
+    from openinfer.backend.cuda import moe_routing
+    ids, weights = moe_routing.route(x, fused.gate, fused.router, fused.correction_bias, shared_experts=fused.shared_experts)
+    return moe_routing.group_by_expert(ids, weights, fused.gate_up.num_experts)
 
 
 def _moe_reference(x, spec, host):
@@ -128,6 +129,7 @@ def _sm90_problem(cuda_backend, moe, rng, kind: str):
     a whole 64-wide sub-tile past K for k_sub 2), N = 304 / I = 152 (partial 128- and 256-row tiles, the next expert's
     rows in the box, never stored). "many_units": Moonlight-like widths at 64 tokens over 24 experts, more units than
     SMs (stream-K cuts units between CTAs)."""
+    from openinfer.backend.cuda import moe_routing
     if kind == "ragged":
         num_experts, top_k, hidden, inter, tokens = 8, 3, 200, 152, 300
         ids = np.stack([rng.choice([0, 2, 3, 5, 6], top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
@@ -139,7 +141,7 @@ def _sm90_problem(cuda_backend, moe, rng, kind: str):
     gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
     down, down_ref = _expert_weights(rng, "bf16", num_experts, hidden, inter)
     x_host = bf16_random(rng, tokens, hidden)
-    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
     return (gate_up, gate_up_ref), (down, down_ref), x_host, grouping
 
 
@@ -206,6 +208,7 @@ def test_sm90_pdl_equals_plain_launches(cuda_backend, cuda_moe, sm90_moe, rng, m
     (cuLaunchKernelEx, programmatic stream serialization): the same bits as plain launches, eagerly
     and as a CUDA graph replay, over a step where gate_up has several waves (Moonlight-like widths,
     few slots per expert) and one where most experts are empty."""
+    from openinfer.backend.cuda import moe_routing
     moe, moe_sm90 = cuda_moe, sm90_moe
     num_experts, top_k, hidden, inter = 16, 6, 512, 704
     gate_up, _ = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
@@ -214,7 +217,7 @@ def test_sm90_pdl_equals_plain_launches(cuda_backend, cuda_moe, sm90_moe, rng, m
     for tokens, choices in ((64, num_experts), (40, 7)):
         x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
         ids = np.stack([rng.choice(choices, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
-        grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+        grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
         assert moe_sm90.sm90_experts(x, gate_up, ids.size, True)
         monkeypatch.setenv(moe_sm90.SM90_PDL_ENV, "0")
         plain = moe.routed_experts(cuda_backend, x, gate_up, down, grouping).get()
@@ -319,8 +322,7 @@ BAD_SWITCH_VALUES = [
     ("moe", "COMBINE_VEC_ENV", "sometimes", lambda m: m.combine_vec_wanted(16)),
     ("moe", "COMBINE_NORM_ENV", "sometimes", lambda m: m.combine_norm_wanted(16)),
     ("moe", "SHARED_FUSED_ENV", "yes please", lambda m: m.shared_fusion_wanted()),
-    ("moe", "ROUTE_SORT_ENV", "sometimes", lambda m: m.route_sort_wanted(16, RouterSpec(64, 6, "sigmoid"))),
-    ("moe", "ROUTE_WARPS_ENV", "maybe", lambda m: m.route_warps_wanted(RouterSpec(64, 6, "sigmoid"))),
+    ("moe_routing", "ROUTE_SORT_ENV", "sometimes", lambda m: m.route_sort_wanted(16, RouterSpec(64, 6, "sigmoid"))),
     ("moe", "L2_PREFETCH_ENV", "sometimes", lambda m: m.l2_prefetch_mode()),
     ("moe", "L2_PREFETCH_MB_ENV", "lots", lambda m: m.l2_prefetch_bytes()),
 ]
@@ -329,9 +331,9 @@ BAD_SWITCH_VALUES = [
 @pytest.mark.parametrize("module,env,value,read", BAD_SWITCH_VALUES, ids=[row[1] for row in BAD_SWITCH_VALUES])
 def test_bad_switch_values_are_clear_errors(cuda_backend, monkeypatch, module, env, value, read):
     """A switch set to something it does not take is a ValueError that names it (never a silent default)."""
-    from openinfer.backend.cuda import moe, moe_sm90
+    from openinfer.backend.cuda import moe, moe_routing, moe_sm90
 
-    owner = {"moe": moe, "moe_sm90": moe_sm90}[module]
+    owner = {"moe": moe, "moe_routing": moe_routing, "moe_sm90": moe_sm90}[module]
     monkeypatch.setenv(getattr(owner, env), value)
     with pytest.raises(ValueError, match=getattr(owner, env)):
         read(owner)
@@ -339,98 +341,38 @@ def test_bad_switch_values_are_clear_errors(cuda_backend, monkeypatch, module, e
 
 # ---------------------------------------------------------------- routing (moe_routing.cu)
 
-@pytest.mark.parametrize("spec,tokens", [
-    (("sigmoid", 64, 6, 2.446, True), 77), (("sigmoid", 64, 6, 2.446, True), 1500),
-    (("sigmoid", 384, 8, 2.827, True), 300), (("softmax", 60, 4, 1.0, False), 129),
-    (("sqrtsoftplus", 48, 6, 1.5, True), 64), (("sigmoid", 512, 16, 1.0, True), 33),
-], ids=["moonlight-77", "moonlight-1500", "kimi-300", "softmax-60", "sqrtsoftplus-48", "512x16"])
-def test_route_warps_equal_moe_route(cuda_backend, cuda_moe, rng, monkeypatch, spec, tokens):
-    """moe_route_warps (OPENINFER_MOE_ROUTE_WARPS=1, a warp per token) against moe_route on the same
-    logits: the same ids in the same order, the same weights (softmax: within fp32 rounding, its sum
-    taken in another order), and NumPy's experts; expert counts off 32, up to 16 per lane, k up to 16."""
-    from openinfer.moe import route
-
-    moe = cuda_moe
-    scoring, experts, top_k, scaling, norm = spec
-    router = RouterSpec(experts, top_k, scoring, norm_topk_prob=norm, routed_scaling_factor=scaling)
-    hidden = 256
-    x, gate = bf16_random(rng, tokens, hidden), bf16_random(rng, experts, hidden, scale=0.1)
-    bias = None if scoring == "softmax" else (0.3 * rng.standard_normal(experts)).astype(np.float32)
-    x_device, gate_device = cuda_backend.upload(x), cuda_backend.weight(gate)
-    bias_device = None if bias is None else cupy.asarray(bias)
-    logits = moe.router_logits(x_device, gate_device, router, mma=False)
-    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "0")
-    ids, weights = moe.select_experts(x_device, gate_device, router, bias_device, logits)
-    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "1")
-    assert moe.route_warps_wanted(router)
-    warp_ids, warp_weights = moe.select_experts(x_device, gate_device, router, bias_device, logits)
-    assert np.array_equal(warp_ids.get(), ids.get())
-    if scoring == "softmax":
-        assert np.allclose(warp_weights.get(), weights.get(), rtol=1e-6, atol=1e-7)
-    else:
-        assert np.array_equal(warp_weights.get(), weights.get())
-    ref_ids = route(logits.get(), router, bias)[1]
-    assert np.array_equal(np.sort(warp_ids.get(), 1), np.sort(ref_ids, 1))
-
-
 @pytest.mark.parametrize("tokens,experts,top_k,shared", [(1, 64, 6, 2), (16, 64, 6, 2), (64, 64, 6, 2),
                                                          (300, 384, 8, 1)])
-def test_route_with_shared_experts(cuda_backend, cuda_moe, rng, monkeypatch, tokens, experts, top_k, shared):
-    """ROUTE_SHARED_EXPERTS (shared-experts fusion) in moe_route and moe_route_warps: rows of k + S, the
-    routed part the bits of a plain route, then experts E .. E+S-1 with weight 1; the two kernels agree."""
-    moe = cuda_moe
+def test_route_with_shared_experts(cuda_backend, cuda_moe, rng, tokens, experts, top_k, shared):
+    """ROUTE_SHARED_EXPERTS (shared-experts fusion) in moe_route: rows of k + S, the routed part the bits of a plain
+    route, then experts E .. E+S-1 with weight 1."""
+    from openinfer.backend.cuda import moe_routing
     router = RouterSpec(experts, top_k, "sigmoid", routed_scaling_factor=2.446)
     x = cuda_backend.upload(bf16_random(rng, tokens, 256))
     gate = cuda_backend.weight(bf16_random(rng, experts, 256, scale=0.1))
     bias = cupy.asarray((0.3 * rng.standard_normal(experts)).astype(np.float32))
-    logits = moe.router_logits(x, gate, router, mma=False)
-    results = {}
-    for warps in ("0", "1"):
-        monkeypatch.setenv(moe.ROUTE_WARPS_ENV, warps)
-        plain = moe.select_experts(x, gate, router, bias, logits)
-        ids, weights = moe.select_experts(x, gate, router, bias, logits, shared_experts=shared)
-        assert ids.shape == (tokens, top_k + shared)
-        assert np.array_equal(ids[:, :top_k].get(), plain[0].get())
-        assert np.array_equal(weights[:, :top_k].get(), plain[1].get())
-        assert np.array_equal(ids[:, top_k:].get(), np.broadcast_to(experts + np.arange(shared), (tokens, shared)))
-        assert np.all(weights[:, top_k:].get() == 1.0)
-        results[warps] = (ids.get(), weights.get())
-    assert np.array_equal(results["0"][0], results["1"][0]) and np.array_equal(results["0"][1], results["1"][1])
+    logits = moe_routing.router_logits(x, gate, router, mma=False)
+    plain = moe_routing.select_experts(x, gate, router, bias, logits)
+    ids, weights = moe_routing.select_experts(x, gate, router, bias, logits, shared_experts=shared)
+    assert ids.shape == (tokens, top_k + shared)
+    assert np.array_equal(ids[:, :top_k].get(), plain[0].get())
+    assert np.array_equal(weights[:, :top_k].get(), plain[1].get())
+    assert np.array_equal(ids[:, top_k:].get(), np.broadcast_to(experts + np.arange(shared), (tokens, shared)))
+    assert np.all(weights[:, top_k:].get() == 1.0)
 
 
-def test_route_warps_not_for_expert_groups(cuda_moe, monkeypatch):
-    moe = cuda_moe
-    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "1")
-    assert not moe.route_warps_wanted(RouterSpec(256, 8, "sigmoid", num_groups=8, topk_groups=4))
-    assert moe.route_warps_wanted(RouterSpec(256, 8, "sigmoid", num_groups=8, topk_groups=8))
-
-
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 64, 6), (700, 64, 6), (8192, 64, 6), (9000, 384, 8),
-                                                  (3001, 7, 3), (5000, 512, 16)])
-def test_group_chunks_equal_blocks(cuda_moe, rng, monkeypatch, tokens, experts, top_k):
-    """moe_chunk_counts / moe_chunk_scan / moe_chunk_place ("chunks") against the per-expert blocks: the
-    same offsets, tile list, sorted slots (both stable: an expert's slots in slot order) and slot
-    positions; an expert with no slot, one with every token (many 64-row tiles), chunks of 1024 slots
-    and, where chunks x experts would overflow the scan's shared memory, longer ones (72000 slots x 384
-    experts: 31 chunks of 2323); the switch takes them from GROUP_BLOCKS_MIN_SLOTS slots."""
-    moe = cuda_moe
-    ids = np.stack([rng.choice(np.arange(1, experts), top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
-    if tokens >= 700:
-        ids[:, 0] = experts - 1
-    weights = cupy.ones(ids.shape, cupy.float32)
-    chunks = moe.group_by_expert(cupy.asarray(ids), weights, experts, method="chunks")
-    blocks = moe.group_by_expert(cupy.asarray(ids), weights, experts, method="blocks")
-    count = int(blocks.num_tiles.get()[0])
-    assert int(chunks.num_tiles.get()[0]) == count
-    for name in ("offsets", "sorted_slots", "slot_pos"):
-        assert np.array_equal(getattr(chunks, name).get(), getattr(blocks, name).get()), name
-    assert np.array_equal(chunks.tile_expert.get()[:count], blocks.tile_expert.get()[:count])
-    assert np.array_equal(chunks.tile_row.get()[:count], blocks.tile_row.get()[:count])
-    assert chunks.offsets.get()[1] == 0
-    monkeypatch.setenv(moe.GROUP_CHUNKS_ENV, "1")
-    assert moe.grouping_method(ids.size) == ("chunks" if ids.size >= moe.GROUP_BLOCKS_MIN_SLOTS else "single")
+def test_grouping_method_choice(cuda_moe, monkeypatch):
+    """group_by_expert's method: the per-expert blocks from GROUP_BLOCKS_MIN_SLOTS slots (default), one block below or
+    with OPENINFER_MOE_GROUP_BLOCKS=0; an unknown method is a clear error."""
+    from openinfer.backend.cuda import moe_routing
+    monkeypatch.delenv(moe_routing.GROUP_BLOCKS_ENV, raising=False)
+    assert moe_routing.grouping_method(moe_routing.GROUP_BLOCKS_MIN_SLOTS) == "blocks"
+    assert moe_routing.grouping_method(moe_routing.GROUP_BLOCKS_MIN_SLOTS - 1) == "single"
+    monkeypatch.setenv(moe_routing.GROUP_BLOCKS_ENV, "0")
+    assert moe_routing.grouping_method(moe_routing.GROUP_BLOCKS_MIN_SLOTS) == "single"
+    ids = cupy.zeros((4, 2), cupy.int32)
     with pytest.raises(ValueError, match="grouping method"):
-        moe.group_by_expert(cupy.asarray(ids), weights, experts, method="sorted")
+        moe_routing.group_by_expert(ids, cupy.ones(ids.shape, cupy.float32), 4, method="sorted")
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,shared,scoring", [
@@ -438,30 +380,26 @@ def test_group_chunks_equal_blocks(cuda_moe, rng, monkeypatch, tokens, experts, 
     (64, 384, 8, 1, "sigmoid"), (3, 512, 16, 0, "sqrtsoftplus")])
 def test_route_sort_equals_route_then_sort(cuda_backend, cuda_moe, rng, monkeypatch, tokens, experts, top_k, shared,
                                            scoring):
-    """moe_route_sort (OPENINFER_MOE_ROUTE_SORT=1, one block): moe_route_warps' ids and weights (the fused
-    shared experts' columns too), moe_sort_parallel's offsets, tile list and tile count, every expert's
+    """moe_route_sort (OPENINFER_MOE_ROUTE_SORT=1, one block): moe_route's ids and weights (softmax: within fp32
+    rounding, its sum taken in another order; the fused shared experts' columns too), moe_sort_parallel's offsets, tile list and tile count, every expert's
     segment holding exactly its slots, slot_pos its inverse; moe_forward gives the bits of the unswitched
     path, eagerly and replayed from a CUDA graph."""
+    from openinfer.backend.cuda import moe_routing
     moe = cuda_moe
-    hidden, inter = 256, 64
-    router = RouterSpec(experts, top_k, scoring, norm_topk_prob=scoring != "softmax", routed_scaling_factor=2.446)
-    gate_up, _ = _expert_weights(rng, "bf16", experts + shared, 2 * inter, hidden)
-    down, _ = _expert_weights(rng, "bf16", experts + shared, hidden, inter)
-    bias = None if scoring == "softmax" else cupy.asarray((0.3 * rng.standard_normal(experts)).astype(np.float32))
-    layer = moe.DeviceMoE(router, cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1)), bias,
-                          gate_up, down, shared_experts=shared)
+    hidden = 256
+    layer = moe_router_case(cuda_backend, rng, experts, top_k, hidden, scoring=scoring, shared=shared, inter=64)
+    router, bias = layer.router, layer.correction_bias
     x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
-    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
-    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "1")
-    assert moe.route_sort_wanted(tokens, router, None, shared)
-    grouping = moe.route_and_group(x, layer)
-    ids, weights = moe.route(x, layer.gate, router, bias, shared_experts=shared)
+    monkeypatch.setenv(moe_routing.ROUTE_SORT_ENV, "1")
+    assert moe_routing.route_sort_wanted(tokens, router, None, shared)
+    grouping = moe_routing.route_and_group(x, layer)
+    ids, weights = moe_routing.route(x, layer.gate, router, bias, shared_experts=shared)
     assert np.array_equal(grouping.ids.get(), ids.get())
     if scoring == "softmax":
         assert np.allclose(grouping.weights.get(), weights.get(), rtol=1e-6, atol=1e-7)
     else:
         assert np.array_equal(grouping.weights.get(), weights.get())
-    reference = moe.group_by_expert(ids, weights, experts + shared, method="single")
+    reference = moe_routing.group_by_expert(ids, weights, experts + shared, method="single")
     offsets = reference.offsets.get()
     assert np.array_equal(grouping.offsets.get(), offsets)
     tiles = int(reference.num_tiles.get()[0])
@@ -473,28 +411,28 @@ def test_route_sort_equals_route_then_sort(cuda_backend, cuda_moe, rng, monkeypa
     for e in range(experts + shared):
         segment = sorted_slots[offsets[e]:offsets[e + 1]]
         assert np.array_equal(np.sort(segment), np.flatnonzero(flat_ids == e))
-    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "0")
+    monkeypatch.setenv(moe_routing.ROUTE_SORT_ENV, "0")
     plain = _host(moe.moe_forward(cuda_backend, x, layer))  # bits, as _replayed returns
-    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
+    monkeypatch.setenv(moe_routing.ROUTE_SORT_ENV, "1")
     eager, replay = _replayed(lambda: moe.moe_forward(cuda_backend, x, layer))
     assert np.array_equal(eager, plain) and np.array_equal(replay, plain)
 
 
 def test_route_sort_switch_bounds(cuda_moe, monkeypatch):
     """moe_route_sort only where switched on and its shared arrays hold the step."""
-    moe = cuda_moe
+    from openinfer.backend.cuda import moe_routing
     spec = RouterSpec(64, 6, "sigmoid")
-    monkeypatch.delenv(moe.ROUTE_SORT_ENV, raising=False)
-    assert moe.route_sort_wanted(moe.ROUTE_SORT_DEFAULT_MAX_TOKENS, spec)
-    assert not moe.route_sort_wanted(moe.ROUTE_SORT_DEFAULT_MAX_TOKENS + 1, spec)
-    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "0")
-    assert not moe.route_sort_wanted(1, spec) and not moe.route_sort_wanted(16, spec)
-    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
-    assert moe.route_sort_wanted(1, spec) and moe.route_sort_wanted(moe.ROUTE_SORT_MAX_TOKENS, spec, None, 2)
-    assert not moe.route_sort_wanted(0, spec) and not moe.route_sort_wanted(moe.ROUTE_SORT_MAX_TOKENS + 1, spec)
-    assert not moe.route_sort_wanted(16, RouterSpec(64, 6, "sigmoid", num_groups=8, topk_groups=3))
-    assert not moe.route_sort_wanted(16, spec, object())  # hash routing (a tid2eid table)
-    assert not moe.route_sort_wanted(16, RouterSpec(512, 8, "sigmoid"), None, 1)
+    monkeypatch.delenv(moe_routing.ROUTE_SORT_ENV, raising=False)
+    assert moe_routing.route_sort_wanted(moe_routing.ROUTE_SORT_DEFAULT_MAX_TOKENS, spec)
+    assert not moe_routing.route_sort_wanted(moe_routing.ROUTE_SORT_DEFAULT_MAX_TOKENS + 1, spec)
+    monkeypatch.setenv(moe_routing.ROUTE_SORT_ENV, "0")
+    assert not moe_routing.route_sort_wanted(1, spec) and not moe_routing.route_sort_wanted(16, spec)
+    monkeypatch.setenv(moe_routing.ROUTE_SORT_ENV, "1")
+    assert moe_routing.route_sort_wanted(1, spec) and moe_routing.route_sort_wanted(moe_routing.ROUTE_SORT_MAX_TOKENS, spec, None, 2)
+    assert not moe_routing.route_sort_wanted(0, spec) and not moe_routing.route_sort_wanted(moe_routing.ROUTE_SORT_MAX_TOKENS + 1, spec)
+    assert not moe_routing.route_sort_wanted(16, RouterSpec(64, 6, "sigmoid", num_groups=8, topk_groups=3))
+    assert not moe_routing.route_sort_wanted(16, spec, object())  # hash routing (a tid2eid table)
+    assert not moe_routing.route_sort_wanted(16, RouterSpec(512, 8, "sigmoid"), None, 1)
 
 
 # ---------------------------------------------------------------- combine, shared experts, the layer
@@ -502,9 +440,10 @@ def test_route_sort_switch_bounds(cuda_moe, monkeypatch):
 def _combine_case(cuda_backend, moe, rng, tokens, hidden, top_k, with_shared, experts=32):
     """A grouping of ``tokens`` x ``top_k`` random routes with random weights, the experts' rows y (host, device) and
     a shared row per token (or None)."""
+    from openinfer.backend.cuda import moe_routing
     ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
     weights = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
-    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), experts)
+    grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), experts)
     y_host = bf16_random(rng, tokens * top_k, hidden)
     shared_host = bf16_random(rng, tokens, hidden) if with_shared else None
     shared = None if shared_host is None else cuda_backend.upload(shared_host)
@@ -595,6 +534,7 @@ def test_shared_experts_fused_matches_unfused_and_numpy(cuda_backend, rng, token
     at 1 / 5 tokens, the Hopper grouped GEMM from 16, ragged loads: the shared experts take every token) equals
     the unfused layer with its shared MLP and NumPy fp32 within bf16 rounding; a CUDA graph replay equals the
     eager run."""
+    from openinfer.backend.cuda import moe_routing
     hidden, inter = 512, 128
     moe, layer, fused, (shared_gate_up, shared_down), host = _shared_fusion_case(
         cuda_backend, rng, num_experts, top_k, shared, hidden, inter, *groups)
@@ -605,8 +545,8 @@ def test_shared_experts_fused_matches_unfused_and_numpy(cuda_backend, rng, token
     assert np.array_equal(fused.down.data[-1].get(), shared_down.weight[:, -inter:].get())
     x_host = bf16_random(rng, tokens, hidden)
     x = cuda_backend.upload(x_host)
-    ids, weights = moe.route(x, layer.gate, layer.router, layer.correction_bias)
-    fused_ids, fused_weights = moe.route(x, fused.gate, fused.router, fused.correction_bias,
+    ids, weights = moe_routing.route(x, layer.gate, layer.router, layer.correction_bias)
+    fused_ids, fused_weights = moe_routing.route(x, fused.gate, fused.router, fused.correction_bias,
                                          shared_experts=fused.shared_experts)
     assert np.array_equal(fused_ids[:, :top_k].get(), ids.get())
     assert np.array_equal(fused_weights[:, :top_k].get(), weights.get())
@@ -697,38 +637,6 @@ def test_moe_forward_add_norm_equals_unfused(cuda_backend, rng, monkeypatch, tok
     assert moe.combine_norm_wanted(tokens) is (tokens <= moe.COMBINE_NORM_MAX_TOKENS)
     eager, replay = _replayed(lambda: moe.moe_forward(cuda_backend, x, fused, add_norm=(residual, norm, eps)))
     assert _equal(eager, plain) and _equal(replay, plain)
-
-
-@pytest.mark.parametrize("tokens", [1, 5, 16, 64])
-def test_moe_block_route_norm_equals_unfused(cuda_backend, rng, monkeypatch, tokens):
-    """OPENINFER_MOE_ROUTE_NORM: moe_add_rms_norm_route gives add_rms_norm's h and residual and route(h)'s ids and
-    weights bit for bit (fused shared experts appended); moe_block equals add_rms_norm -> moe_forward (-> the next
-    add_rms_norm), also with the combine fused into that norm, eagerly and as a CUDA graph replay; a bad value is a
-    clear error."""
-    hidden, inter, eps = 512, 128, 1e-6
-    moe, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
-    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
-    residual = cuda_backend.upload(bf16_random(rng, tokens, hidden))
-    post_norm, next_norm = (cuda_backend.weight(bf16_random(rng, hidden, scale=0.5)) for _ in range(2))
-    h_ref, residual_ref = cuda_backend.add_rms_norm(x, residual, post_norm, eps)
-    ids_ref, weights_ref = moe.route(h_ref, fused.gate, fused.router, fused.correction_bias,
-                                     shared_experts=fused.shared_experts)
-    monkeypatch.setenv(moe.ROUTE_NORM_ENV, "1")
-    assert moe.route_norm_wanted(x, fused)
-    h, residual_out, ids, weights = moe.add_rms_norm_route(x, residual, post_norm, eps, fused)
-    for ours, ref in ((h, h_ref), (residual_out, residual_ref), (ids, ids_ref), (weights, weights_ref)):
-        assert np.array_equal(ours.get(), ref.get())
-    moe_out = moe.moe_forward(cuda_backend, h_ref, fused)
-    plain = (moe_out.get(), residual_ref.get())
-    plain_next = _host(cuda_backend.add_rms_norm(moe_out, residual_ref, next_norm, eps))
-    assert _equal(_host(moe.moe_block(cuda_backend, x, residual, post_norm, eps, fused)), plain)
-    for combine_norm in ("0", "1"):
-        monkeypatch.setenv(moe.COMBINE_NORM_ENV, combine_norm)
-        eager, replay = _replayed(lambda: moe.moe_block(cuda_backend, x, residual, post_norm, eps, fused, next_norm))
-        assert _equal(eager, plain_next) and _equal(replay, plain_next)
-    monkeypatch.setenv(moe.ROUTE_NORM_ENV, "sometimes")
-    with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_NORM"):
-        moe.route_norm_wanted(x, fused)
 
 
 @pytest.mark.parametrize("gemv_kernel", ["mma", "mma_split4", "mma_split4_depth4", "mma_split4_depth8"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.gpu.conftest import bf16_random
+from tests.gpu.conftest import bf16_random, moe_router_case
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -40,17 +40,10 @@ def test_route_before_shared_equals_inline(cuda_backend, rng, monkeypatch, token
     """OPENINFER_MOE_ROUTE_BEFORE_SHARED=1 ("first": the side stream's fork recorded before the routing, the routing
     launched first) and OPENINFER_MOE_SHARED_AFTER_ROUTE=1 ("after") give the bits of the shared expert forked
     before the routing ("before", the default) and of the shared expert inline, eagerly and from a graph."""
-    from openinfer.backend.cuda import moe
-    from openinfer.moe import RouterSpec
+    from openinfer.backend.cuda import moe, moe_routing
 
-    hidden, inter, experts = 256, 64, 16
-    weights = {name: cuda_backend.weight(bf16_random(rng, experts, rows, cols, scale=0.05))
-               for name, rows, cols in (("gate_up", 2 * inter, hidden), ("down", hidden, inter))}
-    layer = moe.DeviceMoE(RouterSpec(experts, 4, "sigmoid", routed_scaling_factor=2.5),
-                          cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1)),
-                          cupy.asarray((0.1 * rng.standard_normal(experts)).astype(np.float32)),
-                          moe.ExpertLinear("bf16", weights["gate_up"], None, 2 * inter, hidden),
-                          moe.ExpertLinear("bf16", weights["down"], None, hidden, inter))
+    hidden, inter = 256, 64
+    layer = moe_router_case(cuda_backend, rng, 16, 4, hidden, scaling=2.5, inter=inter, bias_scale=0.1)
     shared_up = cuda_backend.linear_weight(bf16_random(rng, 2 * inter, hidden, scale=0.05))
     shared_down = cuda_backend.linear_weight(bf16_random(rng, hidden, inter, scale=0.05))
     x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
@@ -61,7 +54,7 @@ def test_route_before_shared_equals_inline(cuda_backend, rng, monkeypatch, token
     def step():
         return moe.moe_forward(cuda_backend, x, layer, shared_experts=shared_experts)
 
-    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "0")  # one routing path for every order (the ordering is under test)
+    monkeypatch.setenv(moe_routing.ROUTE_DECODE_ENV, "0")  # one routing path for every order (the ordering is under test)
     monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "0")
     inline = cuda_backend.to_host(step())
     monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "1")
@@ -102,30 +95,22 @@ def test_route_decode_equals_two_launches(cuda_backend, rng, monkeypatch, tokens
     moe_route_sort (OPENINFER_MOE_ROUTE_SORT=1) bit for bit, their offsets and tile list, each expert's slots as a
     set (slot_pos their inverse); moe_forward gives the same bits with it, eagerly and replayed from a CUDA graph
     (the ticket counter zeroed per call)."""
-    from openinfer.backend.cuda import moe
-    from openinfer.moe import RouterSpec
+    from openinfer.backend.cuda import moe, moe_routing
 
-    router = RouterSpec(experts, top_k, scoring, norm_topk_prob=scoring != "softmax", routed_scaling_factor=2.446)
-    inter = 64
     experts_run = experts * hidden <= 64 * 2048  # moe_forward too (the expert stacks' size)
-    width = hidden if experts_run else 8
-    gate_up = moe.ExpertLinear("bf16", cuda_backend.weight(bf16_random(rng, experts + shared, 2 * inter, width,
-                                                                       scale=0.05)), None, 2 * inter, width)
-    down = moe.ExpertLinear("bf16", cuda_backend.weight(bf16_random(rng, experts + shared, width, inter, scale=0.05)),
-                            None, width, inter)
-    bias = None if scoring == "softmax" else cupy.asarray((0.3 * rng.standard_normal(experts)).astype(np.float32))
-    layer = moe.DeviceMoE(router, cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.05)), bias,
-                          gate_up, down, shared_experts=shared)
+    layer = moe_router_case(cuda_backend, rng, experts, top_k, hidden, scoring=scoring, shared=shared, inter=64,
+                            expert_width=hidden if experts_run else 8, gate_scale=0.05)
+    router, bias = layer.router, layer.correction_bias
     x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
-    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
-    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "0")
-    assert not moe.route_decode_wanted(x, layer)
-    reference = moe.route_and_group(x, layer)
-    logits = moe.router_logits(x, layer.gate, router)
-    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
-    assert moe.route_decode_wanted(x, layer)
+    monkeypatch.setenv(moe_routing.ROUTE_SORT_ENV, "1")
+    monkeypatch.setenv(moe_routing.ROUTE_DECODE_ENV, "0")
+    assert not moe_routing.route_decode_wanted(x, layer)
+    reference = moe_routing.route_and_group(x, layer)
+    logits = moe_routing.router_logits(x, layer.gate, router)
+    monkeypatch.setenv(moe_routing.ROUTE_DECODE_ENV, "1")
+    assert moe_routing.route_decode_wanted(x, layer)
     for _ in range(2):  # twice: the counter is zeroed per call
-        got = moe.route_and_group(x, layer)
+        got = moe_routing.route_and_group(x, layer)
         assert np.array_equal(got.ids.get(), reference.ids.get())
         assert np.array_equal(got.weights.get(), reference.weights.get())
         offsets = reference.offsets.get()
@@ -138,9 +123,9 @@ def test_route_decode_equals_two_launches(cuda_backend, rng, monkeypatch, tokens
         assert np.array_equal(sorted_slots[slot_pos], np.arange(flat_ids.size))
         for e in range(experts + shared):
             assert np.array_equal(np.sort(sorted_slots[offsets[e]:offsets[e + 1]]), np.flatnonzero(flat_ids == e))
-    grid, defines = moe.route_decode_shape(tokens, hidden, experts, tokens * (top_k + shared))
+    grid, defines = moe_routing.route_decode_shape(tokens, hidden, experts, tokens * (top_k + shared))
     scratch = cupy.empty((tokens, experts), cupy.float32)  # the kernel's logits: moe_router_logits' bits
-    one = moe.ExpertGroupingDevice(*(cupy.empty_like(a) for a in (reference.ids, reference.weights,
+    one = moe_routing.ExpertGroupingDevice(*(cupy.empty_like(a) for a in (reference.ids, reference.weights,
                                                                   reference.sorted_slots, reference.slot_pos,
                                                                   reference.offsets, reference.tile_expert,
                                                                   reference.tile_row, reference.num_tiles)),
@@ -148,16 +133,16 @@ def test_route_decode_equals_two_launches(cuda_backend, rng, monkeypatch, tokens
     moe.kernel("moe_routing.cu", "moe_route_decode", **defines, **({"ROUTE_SHARED_EXPERTS": shared} if shared else {}))(
         (grid,), (defines["ROUTE_DECODE_WARPS"] * 32,), (
             x, layer.gate, np.int32(tokens), np.int32(hidden), scratch, cupy.zeros(1, cupy.uint32),
-            moe.NULL if bias is None else bias, np.int32(experts), np.int32(top_k), np.int32(moe.SCORING[scoring]),
+            moe_routing.NULL if bias is None else bias, np.int32(experts), np.int32(top_k), np.int32(moe_routing.SCORING[scoring]),
             np.int32(router.norm_topk_prob), np.float32(router.routed_scaling_factor), one.ids, one.weights,
             one.offsets, one.sorted_slots, one.slot_pos, one.tile_expert, one.tile_row, one.num_tiles,
             np.int32(one.max_tiles)))
     assert np.array_equal(scratch.get(), logits.get())
     if not experts_run:
         return
-    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "0")
+    monkeypatch.setenv(moe_routing.ROUTE_DECODE_ENV, "0")
     plain = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer))
-    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
+    monkeypatch.setenv(moe_routing.ROUTE_DECODE_ENV, "1")
 
     def step():
         return moe.moe_forward(cuda_backend, x, layer)
@@ -170,7 +155,7 @@ def test_route_decode_equals_two_launches(cuda_backend, rng, monkeypatch, tokens
 def test_route_decode_wanted_bounds(cuda_backend, rng, monkeypatch):
     """moe_route_decode only where switched on and the step fits it: expert groups, hash routing, too many tokens,
     rows too long or not whole 16-byte pieces take the other paths; a bad switch value is a clear error."""
-    from openinfer.backend.cuda import moe
+    from openinfer.backend.cuda import moe, moe_routing
     from openinfer.moe import RouterSpec
 
     def layer(spec, hidden=256, tid2eid=None, shared=0):
@@ -179,97 +164,49 @@ def test_route_decode_wanted_bounds(cuda_backend, rng, monkeypatch):
 
     x = cupy.zeros((16, 256), cupy.uint16)
     spec = RouterSpec(64, 6, "sigmoid")
-    monkeypatch.delenv(moe.ROUTE_DECODE_ENV, raising=False)
-    assert moe.route_decode_wanted(x, layer(spec)) == moe.DEFAULT_ROUTE_DECODE
-    assert moe.route_decode_wanted(x, layer(spec), beside_shared=True) == moe.DEFAULT_ROUTE_DECODE_BESIDE_SHARED
-    many = cupy.zeros((moe.ROUTE_DECODE_DEFAULT_MAX_WORK // 64 + 1, 256), cupy.uint16)
-    assert not moe.route_decode_wanted(many, layer(spec))  # unset: up to ROUTE_DECODE_DEFAULT_MAX_WORK
+    monkeypatch.delenv(moe_routing.ROUTE_DECODE_ENV, raising=False)
+    assert moe_routing.route_decode_wanted(x, layer(spec)) == moe_routing.DEFAULT_ROUTE_DECODE
+    assert moe_routing.route_decode_wanted(x, layer(spec), beside_shared=True) == moe_routing.DEFAULT_ROUTE_DECODE_BESIDE_SHARED
+    many = cupy.zeros((moe_routing.ROUTE_DECODE_DEFAULT_MAX_WORK // 64 + 1, 256), cupy.uint16)
+    assert not moe_routing.route_decode_wanted(many, layer(spec))  # unset: up to ROUTE_DECODE_DEFAULT_MAX_WORK
     softmax = RouterSpec(64, 6, "softmax")  # unset: softmax routers at one token only (moe_route's sum order above)
-    assert moe.route_decode_wanted(x[:1], layer(softmax)) and not moe.route_decode_wanted(x, layer(softmax))
-    monkeypatch.setenv(moe.ROUTER_FUSED_ENV, "1")
-    assert not moe.route_decode_wanted(x, layer(spec))  # unset: a decode router asked for by name runs
-    monkeypatch.delenv(moe.ROUTER_FUSED_ENV)
-    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "0")
-    assert not moe.route_decode_wanted(x, layer(spec))
-    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
-    assert moe.route_decode_wanted(many, layer(spec)) and moe.route_decode_wanted(x, layer(spec), beside_shared=True)
-    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
-    assert moe.route_decode_wanted(x, layer(spec)) and moe.route_decode_wanted(x, layer(spec, shared=2))
-    assert not moe.route_decode_wanted(x, layer(RouterSpec(64, 6, "sigmoid", num_groups=8, topk_groups=3)))
-    assert not moe.route_decode_wanted(x, layer(spec, tid2eid=cupy.zeros((8, 6), cupy.int64)))
-    assert not moe.route_decode_wanted(cupy.zeros((moe.ROUTE_DECODE_MAX_TOKENS + 1, 256), cupy.uint16), layer(spec))
-    assert not moe.route_decode_wanted(cupy.zeros((0, 256), cupy.uint16), layer(spec))
-    long_rows = moe.ROUTE_DECODE_MAX_HIDDEN + 8
-    assert not moe.route_decode_wanted(cupy.zeros((1, long_rows), cupy.uint16), layer(spec, long_rows))
-    assert not moe.route_decode_wanted(cupy.zeros((1, 260), cupy.uint16), layer(spec, 260))
-    assert not moe.route_decode_wanted(x, layer(RouterSpec(512, 8, "sigmoid"), shared=1))
-    monkeypatch.setenv(moe.ROUTE_DECODE_WARPS_ENV, "6")
+    assert moe_routing.route_decode_wanted(x[:1], layer(softmax)) and not moe_routing.route_decode_wanted(x, layer(softmax))
+    monkeypatch.setenv(moe_routing.ROUTE_DECODE_ENV, "0")
+    assert not moe_routing.route_decode_wanted(x, layer(spec))
+    monkeypatch.setenv(moe_routing.ROUTE_DECODE_ENV, "1")
+    assert moe_routing.route_decode_wanted(many, layer(spec)) and moe_routing.route_decode_wanted(x, layer(spec), beside_shared=True)
+    monkeypatch.setenv(moe_routing.ROUTE_DECODE_ENV, "1")
+    assert moe_routing.route_decode_wanted(x, layer(spec)) and moe_routing.route_decode_wanted(x, layer(spec, shared=2))
+    assert not moe_routing.route_decode_wanted(x, layer(RouterSpec(64, 6, "sigmoid", num_groups=8, topk_groups=3)))
+    assert not moe_routing.route_decode_wanted(x, layer(spec, tid2eid=cupy.zeros((8, 6), cupy.int64)))
+    assert not moe_routing.route_decode_wanted(cupy.zeros((moe_routing.ROUTE_DECODE_MAX_TOKENS + 1, 256), cupy.uint16), layer(spec))
+    assert not moe_routing.route_decode_wanted(cupy.zeros((0, 256), cupy.uint16), layer(spec))
+    long_rows = moe_routing.ROUTE_DECODE_MAX_HIDDEN + 8
+    assert not moe_routing.route_decode_wanted(cupy.zeros((1, long_rows), cupy.uint16), layer(spec, long_rows))
+    assert not moe_routing.route_decode_wanted(cupy.zeros((1, 260), cupy.uint16), layer(spec, 260))
+    assert not moe_routing.route_decode_wanted(x, layer(RouterSpec(512, 8, "sigmoid"), shared=1))
+    monkeypatch.setenv(moe_routing.ROUTE_DECODE_WARPS_ENV, "6")
     with pytest.raises(ValueError, match="must be 4 or 8"):
-        moe.route_decode_shape(1, 256, 64, 8)
-    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "sometimes")
+        moe_routing.route_decode_shape(1, 256, 64, 8)
+    monkeypatch.setenv(moe_routing.ROUTE_DECODE_ENV, "sometimes")
     with pytest.raises(ValueError, match="must be 1 or 0"):
-        moe.route_decode_wanted(x, layer(spec))
+        moe_routing.route_decode_wanted(x, layer(spec))
 
 
-@pytest.mark.parametrize("tokens,experts,hidden,shared", [(1, 384, 7168, 0), (4, 384, 7168, 0), (16, 64, 2048, 2)])
-def test_route_decode_gate_in_shared_memory(cuda_backend, rng, monkeypatch, tokens, experts, hidden, shared):
-    """OPENINFER_MOE_ROUTE_DECODE_GATE=shared (the router rows copied into dynamic shared memory) gives the bits of the
-    rows held in registers; a bad value is a clear error."""
-    from openinfer.backend.cuda import moe
-    from openinfer.moe import RouterSpec
+def test_route_decode_ticket(cuda_backend, rng, monkeypatch):
+    """moe_route_decode's counter, zeroed per call by a kernel node (``route_decode_ticket``), is back at zero after
+    the call (its last block puts it back): one counter also serves calls in a row, with the same routes."""
+    from openinfer.backend.cuda import moe_routing
 
-    router = RouterSpec(experts, 8 if experts > 64 else 6, "sigmoid", routed_scaling_factor=2.827)
-    layer = moe.DeviceMoE(router, cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.05)),
-                          cupy.asarray((0.1 * rng.standard_normal(experts)).astype(np.float32)), None, None,
-                          shared_experts=shared)
-    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
-    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
-    results = {}
-    for place in moe.ROUTE_DECODE_GATES:
-        monkeypatch.setenv(moe.ROUTE_DECODE_GATE_ENV, place)
-        grouping = moe.route_and_group(x, layer)
-        results[place] = [a.get() for a in (grouping.ids, grouping.weights, grouping.offsets, grouping.num_tiles)]
-    assert all(np.array_equal(a, b) for a, b in zip(results["registers"], results["shared"], strict=True))
-    monkeypatch.setenv(moe.ROUTE_DECODE_GATE_ENV, "texture")
-    with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_DECODE_GATE"):
-        moe.route_and_group(x, layer)
-
-
-def test_route_decode_layer_ticket(cuda_backend, rng, monkeypatch):
-    """OPENINFER_MOE_ROUTE_DECODE_TICKET=kernel (the per-call counter zeroed by a kernel node) and =layer (the layer's
-    own counter, made once outside capture, back at zero after every call): moe_forward gives the bits of a memset
-    counter per call, eagerly and over graph replays; a bad value is a clear error."""
-    from openinfer.backend.cuda import moe
-    from openinfer.moe import RouterSpec
-
-    hidden, inter, experts, shared = 512, 64, 64, 2
-    weights = {name: cuda_backend.weight(bf16_random(rng, experts + shared, rows, cols, scale=0.05))
-               for name, rows, cols in (("gate_up", 2 * inter, hidden), ("down", hidden, inter))}
-    layer = moe.DeviceMoE(RouterSpec(experts, 6, "sigmoid", routed_scaling_factor=2.446),
-                          cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1)),
-                          cupy.asarray((0.1 * rng.standard_normal(experts)).astype(np.float32)),
-                          moe.ExpertLinear("bf16", weights["gate_up"], None, 2 * inter, hidden),
-                          moe.ExpertLinear("bf16", weights["down"], None, hidden, inter), shared_experts=shared)
-    x = cuda_backend.upload(bf16_random(rng, 16, hidden))
-
-    def step():
-        return moe.moe_forward(cuda_backend, x, layer)
-
-    monkeypatch.setenv(moe.ROUTE_DECODE_ENV, "1")
-    monkeypatch.setenv(moe.ROUTE_DECODE_TICKET_ENV, "call")
-    want = cuda_backend.to_host(step())
-    monkeypatch.setenv(moe.ROUTE_DECODE_TICKET_ENV, "kernel")  # the per-call counter zeroed by a kernel node
-    assert np.array_equal(cuda_backend.to_host(step()), want)
-    assert all(np.array_equal(replay, want) for replay in _capture_replay(step, cuda_backend.to_host))
-    monkeypatch.setenv(moe.ROUTE_DECODE_TICKET_ENV, "layer")
-    ticket = moe.route_decode_ticket(layer)
-    assert ticket is moe.route_decode_ticket(layer) and int(ticket.get()[0]) == 0
-    for _ in range(3):
-        assert np.array_equal(cuda_backend.to_host(step()), want)
-        assert int(ticket.get()[0]) == 0
-    for replay in _capture_replay(step, cuda_backend.to_host, replays=3):
-        assert np.array_equal(replay, want)
+    layer = moe_router_case(cuda_backend, rng, 64, 6, 512, shared=2, bias_scale=0.1)
+    x = cuda_backend.upload(bf16_random(rng, 16, 512))
+    monkeypatch.setenv(moe_routing.ROUTE_DECODE_ENV, "1")
+    ticket = moe_routing.route_decode_ticket()
     assert int(ticket.get()[0]) == 0
-    monkeypatch.setenv(moe.ROUTE_DECODE_TICKET_ENV, "global")
-    with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_DECODE_TICKET"):
-        moe.route_decode_ticket(layer)
+    first = moe_routing.route_and_group(x, layer, ticket)
+    assert int(ticket.get()[0]) == 0
+    for _ in range(2):
+        again = moe_routing.route_and_group(x, layer, ticket)
+        assert int(ticket.get()[0]) == 0
+        assert np.array_equal(again.ids.get(), first.ids.get()) and np.array_equal(again.weights.get(),
+                                                                                   first.weights.get())

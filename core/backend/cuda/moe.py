@@ -53,81 +53,19 @@ import numpy as np
 
 from openinfer.backend.cuda.linear import decode_pdl, launch_decode
 from openinfer.backend.cuda.loader import kernel
-from openinfer.backend.cuda.moe_routing import (  # noqa: F401 - the routing names, re-exported for moe.X callers
-    CHUNK_SCAN_ENTRIES,
-    CHUNK_SLOTS,
-    CHUNK_THREADS,
-    DEFAULT_ROUTE_DECODE,
-    DEFAULT_ROUTE_DECODE_BESIDE_SHARED,
-    DEFAULT_ROUTE_DECODE_GATE,
-    DEFAULT_ROUTE_DECODE_TICKET,
-    DEFAULT_ROUTE_NORM,
-    DEFAULT_ROUTER_BLOCKS,
-    DEFAULT_ROUTER_FUSED,
-    FAST_ROUTING_ENV,
-    GROUP_BLOCKS_ENV,
-    GROUP_BLOCKS_MIN_SLOTS,
-    GROUP_CHUNKS_ENV,
-    GROUP_THREADS,
-    GROUPING_METHODS,
+from openinfer.backend.cuda.moe_routing import (
     MAX_EXPERTS,
     MAX_TOPK,
     NULL,
-    ROUTE_DECODE_DEFAULT_MAX_WORK,
-    ROUTE_DECODE_ENV,
-    ROUTE_DECODE_GATE_ENV,
-    ROUTE_DECODE_GATES,
-    ROUTE_DECODE_MAX_HIDDEN,
-    ROUTE_DECODE_MAX_TOKENS,
-    ROUTE_DECODE_TICKET_ENV,
-    ROUTE_DECODE_TICKETS,
-    ROUTE_DECODE_WARPS_ENV,
-    ROUTE_NORM_ENV,
-    ROUTE_NORM_MAX_EXPERTS,
-    ROUTE_NORM_MAX_TOKENS,
-    ROUTE_SORT_DEFAULT_MAX_TOKENS,
-    ROUTE_SORT_ENV,
-    ROUTE_SORT_MAX_SLOTS,
-    ROUTE_SORT_MAX_TOKENS,
-    ROUTE_SORT_THREADS,
-    ROUTE_SORT_WARP_ENV,
-    ROUTE_SORT_WARP_MAX_TOKENS,
-    ROUTE_WARPS,
-    ROUTE_WARPS_ENV,
-    ROUTER_BLOCKS_ENV,
-    ROUTER_BLOCKS_MAX_TOKENS,
-    ROUTER_FUSED_ENV,
-    ROUTER_MMA_ENV,
-    ROUTER_MMA_MIN_TOKENS,
-    ROUTER_STAGES,
-    ROUTER_TILE,
-    ROUTER_WARPS,
-    SCORING,
-    SORT_THREADS,
     ExpertGroupingDevice,
     _switch,
-    add_rms_norm_route,
-    check_router,
     fast_routing,
-    group_blocks_wanted,
     group_by_expert,
-    grouping_method,
-    max_tiles,
     route,
     route_and_group,
-    route_decode,
-    route_decode_gate_bytes,
-    route_decode_shape,
     route_decode_ticket,
     route_decode_wanted,
-    route_norm_wanted,
     route_sort_wanted,
-    route_warps_wanted,
-    router_blocks_wanted,
-    router_fused_wanted,
-    router_logits,
-    router_mma_wanted,
-    select_experts,
 )
 from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, rotated_units, sm90_experts, sm90_pdl
 from openinfer.backend.cuda.pdl_launch import launch
@@ -1245,7 +1183,7 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
                          "pass neither shared nor shared_experts")
     # moe_route_decode's ticket zeroed before the side stream's fork point (see route_decode)
     decode = route_decode_wanted(x, layer, beside_shared=shared_experts is not None and shared_overlap(int(x.shape[0])))
-    ticket = route_decode_ticket(layer) if decode else None
+    ticket = route_decode_ticket() if decode else None
     route_first = shared_experts is not None and shared_after_route(int(x.shape[0]))
     # ROUTE_BEFORE_SHARED_ENV: the fork point here, the shared experts launched after the routing
     forked = shared_experts is not None and not route_first and route_before_shared(int(x.shape[0]), decode)
@@ -1274,24 +1212,6 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     return backend.add_rms_norm(combine(y, grouping, shared, int(x.shape[1])), residual, weight, eps)
 
 
-
-def moe_block(backend, x: cupy.ndarray, residual: cupy.ndarray, post_norm: cupy.ndarray, eps: float, layer: DeviceMoE,
-              next_norm: cupy.ndarray | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
-    """A decode step's MoE block from the attention's output ``x``: ``h, residual = add_rms_norm(x, residual,
-    post_norm)`` fused with the routing (``add_rms_norm_route``), the experts, then ``(moe(h), residual)``, or with
-    ``next_norm`` the next layer's ``add_rms_norm(moe(h), residual, next_norm)`` pair (the combine fused into it
-    where ``combine_norm_wanted``). The caller checks ``route_norm_wanted`` and that the layer's shared experts are
-    fused or absent."""
-    h, residual, ids, weights = add_rms_norm_route(x, residual, post_norm, eps, layer)
-    grouping = group_by_expert(ids, weights, layer.router.num_experts + layer.shared_experts)
-    with rotated_units(layer.shared_experts if l2_prefetch_mode() != "off" else 0):
-        y = routed_experts(backend, h, layer.gate_up, layer.down, grouping)
-    hidden = int(x.shape[1])
-    if next_norm is None:
-        return combine(y, grouping, None, hidden), residual
-    if combine_norm_wanted(int(x.shape[0])):
-        return combine_add_rms_norm(y, grouping, None, residual, next_norm, eps)
-    return backend.add_rms_norm(combine(y, grouping, None, hidden), residual, next_norm, eps)
 
 # OPENINFER_MOE_GEMV_SILU (default on for moe_gemv_wide, =1 also the tiled INT4 GEMV, =0 off): where a decode
 # step's gate_up runs moe_gemv_wide or (asked for) a tiled INT4 decode GEMV

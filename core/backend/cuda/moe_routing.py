@@ -1,6 +1,6 @@
 """MoE routing on the GPU: router logits, scores and top-k, and the grouping of a step's slots by expert
 (``ExpertGroupingDevice``: offsets, sorted slots, the GEMM tile list), kernels in ``kernels/moe_routing.cu``
-and ``kernels/moe.cu``. ``moe.py`` runs the experts on a grouping and re-exports these names.
+and ``kernels/moe.cu``. ``moe.py`` runs the experts on a grouping; callers import these names from here.
 
 Decode steps (a few tokens) are latency-bound: each routing kernel is a few microseconds of one small grid
 on the critical path between the attention and the expert GEMVs, so the choices below are about launches and
@@ -44,17 +44,12 @@ FAST_ROUTING_ENV = "OPENINFER_MOE_FAST_ROUTING"
 ROUTER_MMA_ENV, ROUTER_MMA_MIN_TOKENS, ROUTER_STAGES = "OPENINFER_MOE_ROUTER_MMA", 1024, 4
 GROUP_BLOCKS_ENV, GROUP_BLOCKS_MIN_SLOTS = "OPENINFER_MOE_GROUP_BLOCKS", 4096
 ROUTER_TILE, GROUP_THREADS = 64, 1024  # moe_routing.cu
-# Opt-in until measured (moe_routing.cu): OPENINFER_MOE_ROUTE_WARPS=1 runs the scores and top-k of routers
-# without expert groups (n_group 1) as moe_route_warps, a warp per token with the row in registers, wherever
-# the logits come from router_logits (moe_route: a block per token; 49 us at 8192 tokens x 64 experts in
-# narrow blocks, E2 of 2026-11-24). OPENINFER_MOE_GROUP_CHUNKS=1 groups steps of at least
-# GROUP_BLOCKS_MIN_SLOTS slots by moe_chunk_counts / moe_chunk_scan / moe_chunk_place (chunks of the slots,
-# the same stable layout as the per-expert blocks, whose E blocks each read every id twice: 45.6 us at 8192
-# tokens x top-6).
-ROUTE_WARPS_ENV, ROUTE_WARPS = "OPENINFER_MOE_ROUTE_WARPS", 8  # moe_routing.cu ROUTE_WARPS: tokens per block
+# Deleted after losing (E1 of 2026-11-24, H200, results/moe_routing_e1_h200.json, graphs): OPENINFER_MOE_ROUTE_WARPS
+# (moe_route_warps, a warp per token: route 8.1 -> 11.2 us at 16 tokens, 89.0 -> 96.2 at 8192) and
+# OPENINFER_MOE_GROUP_CHUNKS (moe_chunk_counts / _scan / _place: 9.0 vs 5.6 us at 16 tokens, 75.5 vs 65.5 at 8192).
 # OPENINFER_MOE_ROUTE_SORT runs a decode step's top-k and grouping (routers without
 # expert groups, no hash routing, at most ROUTE_SORT_MAX_TOKENS tokens) as one block, moe_routing.cu's
-# moe_route_sort (moe_route_warps' picks, then moe_sort_parallel's layout from shared memory): one launch and
+# moe_route_sort (warp_route_token's picks, then moe_sort_parallel's layout from shared memory): one launch and
 # the num_tiles memset fewer than moe_route + moe_sort_parallel. No cross-block state (the deleted one-launch
 # moe_decode.cu counted arriving blocks in global memory).
 # Unset: on for steps of at most ROUTE_SORT_DEFAULT_MAX_TOKENS tokens (D2 of 2026-11-24, H200,
@@ -64,22 +59,10 @@ ROUTE_WARPS_ENV, ROUTE_WARPS = "OPENINFER_MOE_ROUTE_WARPS", 8  # moe_routing.cu 
 # =1 up to ROUTE_SORT_MAX_TOKENS, =0 never.
 ROUTE_SORT_ENV, ROUTE_SORT_MAX_TOKENS, ROUTE_SORT_DEFAULT_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT", 64, 1
 ROUTE_SORT_THREADS, ROUTE_SORT_MAX_SLOTS = 512, 2048  # moe_routing.cu ROUTE_SORT_WARPS x 32, ROUTE_SORT_MAX_SLOTS
-# Decode steps of at most ROUTER_BLOCKS_MAX_TOKENS tokens (moe_routing.cu): OPENINFER_MOE_ROUTER_BLOCKS=1 computes
-# the router logits with a block per expert (moe_router_logits_blocks: the block's ROUTE_SORT_THREADS threads split
-# the hidden row, ~2 16-byte loads each at Kimi-K2's 7168), where moe_router_logits has a warp per token and expert
-# walk the whole row (Kimi-K2 at one token: 48 blocks, 28 serial loads a lane; 9.2 us for 5.5 MB, s11 D3).
-# OPENINFER_MOE_ROUTER_FUSED=1: ``route_and_group`` in one launch, moe_router_route_sort (those logits, then the
-# last block to finish runs moe_route_sort's body), its ticket counter zeroed per call (a memset node in a graph:
-# no state shared across streams or graphs; the deleted moe_decode.cu kept one counter per device).
-# Opt-in until measured on the device.
-ROUTER_BLOCKS_ENV, ROUTER_FUSED_ENV = "OPENINFER_MOE_ROUTER_BLOCKS", "OPENINFER_MOE_ROUTER_FUSED"
-ROUTER_BLOCKS_MAX_TOKENS = 4  # moe_routing.cu ROUTER_BLOCKS_MAX_TOKENS
-DEFAULT_ROUTER_BLOCKS, DEFAULT_ROUTER_FUSED = False, False
-# OPENINFER_MOE_ROUTE_SORT_WARP=1 (opt-in, unmeasured): moe_route_sort at 1-2 tokens as one warp (each lane a run of
-# experts in the grouping's scan) instead of a block of ROUTE_SORT_THREADS: ~3K registers instead of ~46K, so it
-# can start beside the shared experts' GEMV blocks (s12 D2 timeline at b1: the 512-thread block waited ~6 us for
-# an SM with room, then ran 15-19 us; alone 14 us). The same ids, weights and layout.
-ROUTE_SORT_WARP_ENV, ROUTE_SORT_WARP_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT_WARP", 2
+# Deleted (s12 D2/D3, Kimi-K2 layer b1, benchmarks/GPU.md "Kimi-K2 layer (#13, kimi13)": within noise or slower,
+# 202-215 us; then superseded by moe_route_decode): OPENINFER_MOE_ROUTER_BLOCKS (router logits a block per expert),
+# OPENINFER_MOE_ROUTER_FUSED (those logits + moe_route_sort's body by the last block), OPENINFER_MOE_ROUTE_SORT_WARP
+# (moe_route_sort as one warp).
 # OPENINFER_MOE_ROUTE_DECODE (=1 / =0; unset: the default below): ``route_and_group`` of a decode step
 # (1..ROUTE_DECODE_MAX_TOKENS tokens, a router without expert groups, no hash routing) in one launch, moe_routing.cu's
 # moe_route_decode: the router logits by a warp per (expert, token group) with the warp's router row loaded whole up
@@ -95,23 +78,15 @@ ROUTE_SORT_WARP_ENV, ROUTE_SORT_WARP_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT_WARP
 # fused): beside the shared GEMV (Kimi-K2) it is not measured yet, so there =1 (with OPENINFER_MOE_ROUTE_BEFORE_SHARED=1:
 # its ~145-register blocks take the SMs before the GEMV's) asks for it.
 # OPENINFER_MOE_ROUTE_DECODE_WARPS (4 or 8; unset: 4 up to 4 tokens, else 8): warps a block, the top-k's parallelism.
-# OPENINFER_MOE_ROUTE_DECODE_GATE (registers / shared; unset: DEFAULT_ROUTE_DECODE_GATE): where a warp holds its router
-# row: ~145 registers a thread at Kimi-K2's hidden of 7168, or copied into dynamic shared memory by cp.async (77): a
-# block then fits an SM beside four blocks of a one-row GEMV (gemv_m1: 48 registers x 256 threads), as the shared
-# expert's gate_up beside the routing.
+# (Deleted: OPENINFER_MOE_ROUTE_DECODE_GATE=shared, the router rows in shared memory: D3 of 2026-11-25 alone Kimi-K2
+# 11.2 -> 12.2 / 14.4 -> 16.2 us at 1 / 4 tokens; beside the shared GEMV the routing waits on memory, not SM room,
+# benchmarks/GPU.md s13 "Kimi-K2 layer": 19.3 us there vs 11.2 alone.)
 ROUTE_DECODE_ENV, ROUTE_DECODE_WARPS_ENV = "OPENINFER_MOE_ROUTE_DECODE", "OPENINFER_MOE_ROUTE_DECODE_WARPS"
-ROUTE_DECODE_GATE_ENV, ROUTE_DECODE_GATES, DEFAULT_ROUTE_DECODE_GATE = (
-    "OPENINFER_MOE_ROUTE_DECODE_GATE", ("registers", "shared"), "registers")
-# OPENINFER_MOE_ROUTE_DECODE_TICKET (=call: a counter per call zeroed by a memset node):
-# =kernel (the default) zeroes the per-call counter by a one-thread kernel node (a memset node may run on a copy engine: D3's
-# Moonlight trace shows ~6 us of gap before each moe_route_decode); =layer: each layer keeps one counter of its own,
-# zeroed once outside graph capture and put back to zero by the kernel's last block, so no node runs before the router.
-# Safe while one layer's routing never runs twice at once (one stream a model, as the engine runs).
-# Default "kernel" since D3b (H200, timeline_moonlight_route13_d3b.json, one process, 2 rounds, logits equal): Moonlight
-# step b1 / b16 2.614 -> 2.555 / 7.781 -> 7.733 ms over the memset (1.023 / 1.006x); "layer" 2.531 / 7.712 (1.033 /
-# 1.009x) stays opt-in (state kept across calls).
-ROUTE_DECODE_TICKET_ENV, ROUTE_DECODE_TICKETS = "OPENINFER_MOE_ROUTE_DECODE_TICKET", ("call", "kernel", "layer")
-DEFAULT_ROUTE_DECODE_TICKET = "kernel"
+# Its ticket counter is zeroed per call by a one-thread kernel node (moe_route_decode_ticket): D3b (H200,
+# timeline_moonlight_route13_d3b.json, one process, 2 rounds, logits equal) Moonlight step b1 / b16 2.614 -> 2.555 /
+# 7.781 -> 7.733 ms over a memset node (a memset node may run on a copy engine: ~6 us of gap before each router). The
+# memset and the per-layer counter (2.531 / 7.712, state kept across calls) were opt-in
+# (OPENINFER_MOE_ROUTE_DECODE_TICKET=call / layer) and are deleted: the per-layer one's 1.009x was not worth the state.
 ROUTE_DECODE_MAX_TOKENS, ROUTE_DECODE_MAX_HIDDEN = 64, 8192  # moe_route_decode: ≤ 32 16-byte chunks a lane
 ROUTE_DECODE_X_BYTES = 44 * 1024  # moe_route_decode's staged x rows (static shared memory)
 DEFAULT_ROUTE_DECODE = True
@@ -121,9 +96,7 @@ DEFAULT_ROUTE_DECODE = True
 # GEMV instead 191.3)
 DEFAULT_ROUTE_DECODE_BESIDE_SHARED = True
 ROUTE_DECODE_DEFAULT_MAX_WORK = 2048  # the switch unset: steps of at most this many tokens x routed experts
-GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
-CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
-GROUPING_METHODS = ("single", "blocks", "chunks")
+GROUPING_METHODS = ("single", "blocks")
 SORT_THREADS = 1024  # moe.cu SORT_MAX_THREADS
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
@@ -146,6 +119,17 @@ class ExpertGroupingDevice:
     num_tiles: cupy.ndarray  # [1]
     max_tiles: int
     top_k: int
+
+    @classmethod
+    def empty(cls, num_tokens: int, width: int, num_experts: int) -> ExpertGroupingDevice:
+        """Unwritten arrays for a routing kernel to fill: ``num_tokens`` rows of ``width`` slots (top-k plus fused
+        shared experts) over ``num_experts`` experts (routed plus shared), room for ``max_tiles`` GEMM tiles."""
+        num_slots = num_tokens * width
+        tiles = max_tiles(num_slots, num_experts)
+        return cls(cupy.empty((num_tokens, width), cupy.int32), cupy.empty((num_tokens, width), cupy.float32),
+                   cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32),
+                   cupy.empty(num_experts + 1, cupy.int32), cupy.empty(max(tiles, 1), cupy.int32),
+                   cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(1, cupy.int32), tiles, width)
 
 
 def max_tiles(num_slots: int, num_experts: int) -> int:
@@ -172,20 +156,12 @@ def router_mma_wanted(num_tokens: int) -> bool:
     return num_tokens >= ROUTER_MMA_MIN_TOKENS and _switch(ROUTER_MMA_ENV, default=True)
 
 
-def route_warps_wanted(spec: RouterSpec) -> bool:
-    """Whether ``select_experts`` takes moe_route_warps on router_logits' output: $OPENINFER_MOE_ROUTE_WARPS
-    (default off) and a router without expert groups."""
-    return _switch(ROUTE_WARPS_ENV) and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups)
-
-
 def grouping_method(num_slots: int, per_expert_blocks: bool | None = None) -> str:
     """How ``group_by_expert`` groups ``num_slots`` slots (GROUPING_METHODS): ``per_expert_blocks`` True /
-    False picks "blocks" / "single"; else from GROUP_BLOCKS_MIN_SLOTS slots "chunks" with
-    $OPENINFER_MOE_GROUP_CHUNKS, "blocks" with $OPENINFER_MOE_GROUP_BLOCKS (default), below "single"."""
+    False picks "blocks" / "single"; else "blocks" from GROUP_BLOCKS_MIN_SLOTS slots with $OPENINFER_MOE_GROUP_BLOCKS
+    (default), below "single"."""
     if per_expert_blocks is not None:
         return "blocks" if per_expert_blocks else "single"
-    if num_slots >= GROUP_BLOCKS_MIN_SLOTS and _switch(GROUP_CHUNKS_ENV):
-        return "chunks"
     return "blocks" if group_blocks_wanted(num_slots) else "single"
 
 
@@ -208,18 +184,6 @@ def route_sort_wanted(num_tokens: int, spec: RouterSpec, tid2eid: cupy.ndarray |
             and spec.num_experts + shared_experts <= ROUTE_SORT_THREADS and spec.top_k + shared_experts <= 32)
 
 
-def router_blocks_wanted(num_tokens: int) -> bool:
-    """Whether ``router_logits`` takes moe_router_logits_blocks (see ROUTER_BLOCKS_ENV)."""
-    return 0 < num_tokens <= ROUTER_BLOCKS_MAX_TOKENS and _switch(ROUTER_BLOCKS_ENV, default=DEFAULT_ROUTER_BLOCKS)
-
-
-def router_fused_wanted(x: cupy.ndarray, gate: cupy.ndarray) -> bool:
-    """Whether ``route_and_group`` runs as one launch, moe_router_route_sort (see ROUTER_BLOCKS_ENV): the switch,
-    at most ROUTER_BLOCKS_MAX_TOKENS tokens, rows the 16-byte loads can take."""
-    return (0 < int(x.shape[0]) <= ROUTER_BLOCKS_MAX_TOKENS and _switch(ROUTER_FUSED_ENV, default=DEFAULT_ROUTER_FUSED)
-            and int(x.shape[1]) % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0)
-
-
 def route_decode_wanted(x: cupy.ndarray, layer: DeviceMoE, beside_shared: bool = False) -> bool:
     """Whether ``route_and_group`` runs as moe_route_decode (see ROUTE_DECODE_ENV): the switch (1 / 0; another value:
     a clear error; unset: DEFAULT_ROUTE_DECODE for steps of at most ROUTE_DECODE_DEFAULT_MAX_WORK tokens x experts,
@@ -230,12 +194,12 @@ def route_decode_wanted(x: cupy.ndarray, layer: DeviceMoE, beside_shared: bool =
     spec, shared = layer.router, layer.shared_experts
     tokens, hidden = int(x.shape[0]), int(x.shape[1])
     if os.environ.get(ROUTE_DECODE_ENV, "") == "":
-        if (_switch(ROUTER_FUSED_ENV) or _switch(ROUTER_BLOCKS_ENV) or not DEFAULT_ROUTE_DECODE
+        if (not DEFAULT_ROUTE_DECODE
                 or (beside_shared and not DEFAULT_ROUTE_DECODE_BESIDE_SHARED)
                 or tokens * spec.num_experts > ROUTE_DECODE_DEFAULT_MAX_WORK
                 or (spec.scoring == "softmax" and tokens > 1)):
-            # (the other decode routers asked for by name keep their own logits order; a softmax router's weights
-            # from moe_route, the default above one token, sum the softmax in its block's order, not a warp's)
+            # (a softmax router's weights from moe_route, the default above one token, sum the softmax in its
+            # block's order, not a warp's)
             return False
     elif not _switch(ROUTE_DECODE_ENV):
         return False
@@ -247,60 +211,34 @@ def route_decode_wanted(x: cupy.ndarray, layer: DeviceMoE, beside_shared: bool =
             and tokens * (spec.top_k + shared) * 4 <= ROUTE_DECODE_X_BYTES)
 
 
-_layer_tickets: dict[tuple[int, int], cupy.ndarray] = {}  # (device, router weight address) -> its counter
-
-
-def route_decode_ticket(layer: DeviceMoE) -> cupy.ndarray:
-    """moe_route_decode's counter for a call on ``layer``, zero when the kernel starts: a fresh zeroed uint32 (a memset
-    node in a graph; OPENINFER_MOE_ROUTE_DECODE_TICKET=kernel: zeroed by a kernel node), or with =layer the layer's own,
-    made once (zeroed, synchronised) outside graph capture and left at zero by every call (a fresh one while capturing
-    before it exists)."""
-    mode = os.environ.get(ROUTE_DECODE_TICKET_ENV, "").strip() or DEFAULT_ROUTE_DECODE_TICKET
-    if mode not in ROUTE_DECODE_TICKETS:
-        raise ValueError(f"{ROUTE_DECODE_TICKET_ENV} must be one of {', '.join(ROUTE_DECODE_TICKETS)}, got {mode!r}")
-    key = (cupy.cuda.Device().id, layer.gate.data.ptr)
-    if mode == "layer" and key not in _layer_tickets and not cupy.cuda.get_current_stream().is_capturing():
-        ticket = cupy.zeros(1, cupy.uint32)
-        cupy.cuda.get_current_stream().synchronize()  # zero before any stream uses it
-        _layer_tickets[key] = ticket
-    if mode == "layer" and key in _layer_tickets:
-        return _layer_tickets[key]
-    if mode == "kernel":
-        ticket = cupy.empty(1, cupy.uint32)
-        kernel("moe_routing.cu", "moe_route_decode_ticket")((1,), (32,), (ticket,))
-        return ticket
-    return cupy.zeros(1, cupy.uint32)
+def route_decode_ticket() -> cupy.ndarray:
+    """moe_route_decode's counter for one call: a fresh uint32 zeroed by a one-thread kernel node (moe_route_decode_ticket;
+    nothing shared across streams or graphs, the kernel's last block also puts it back to zero)."""
+    ticket = cupy.empty(1, cupy.uint32)
+    kernel("moe_routing.cu", "moe_route_decode_ticket")((1,), (32,), (ticket,))
+    return ticket
 
 
 def route_decode_shape(tokens: int, hidden: int, num_experts: int, slots: int) -> tuple[int, dict[str, int]]:
     """moe_route_decode's grid and defines for a step: token groups of up to 4 tokens whose bf16 rows fit the staged
     bytes, blocks of ROUTE_DECODE_WARPS_ENV warps (4 up to 4 tokens, else 8), one warp per expert and group; the
-    router rows in registers or shared memory (ROUTE_DECODE_GATE_ENV; its bytes: ``route_decode_gate_bytes``)."""
+    router rows in registers."""
     value = os.environ.get(ROUTE_DECODE_WARPS_ENV, "").strip()
     if value not in ("", "4", "8"):
         raise ValueError(f"{ROUTE_DECODE_WARPS_ENV} must be 4 or 8, got {value!r}")
-    place = os.environ.get(ROUTE_DECODE_GATE_ENV, "").strip() or DEFAULT_ROUTE_DECODE_GATE
-    if place not in ROUTE_DECODE_GATES:
-        raise ValueError(f"{ROUTE_DECODE_GATE_ENV} must be one of {', '.join(ROUTE_DECODE_GATES)}, got {place!r}")
     warps = int(value) if value else 4 if tokens <= 4 else 8
     group = max(g for g in (1, 2, 4) if g == 1 or g * hidden * 2 <= ROUTE_DECODE_X_BYTES)
     group = min(group, tokens)
     staged = -(-max(group * hidden * 2, slots * 4) // 16) * 16
     grid = -(-tokens // group) * -(-num_experts // warps)
     return grid, {"ROUTE_DECODE_WARPS": warps, "ROUTE_DECODE_TOKENS": group, "ROUTE_DECODE_CHUNKS": -(-hidden // 256),
-                  "ROUTE_DECODE_PER_LANE": -(-num_experts // 32), "ROUTE_DECODE_X_BYTES": staged,
-                  "ROUTE_DECODE_GATE_SMEM": int(place == "shared")}
-
-
-def route_decode_gate_bytes(defines: dict[str, int]) -> int:
-    """moe_route_decode's dynamic shared memory: the warps' router rows (ROUTE_DECODE_GATE_SMEM), else none."""
-    return defines["ROUTE_DECODE_WARPS"] * defines["ROUTE_DECODE_CHUNKS"] * 512 if defines["ROUTE_DECODE_GATE_SMEM"] else 0
+                  "ROUTE_DECODE_PER_LANE": -(-num_experts // 32), "ROUTE_DECODE_X_BYTES": staged}
 
 
 def route_and_group(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | None = None,
                     one_launch: bool | None = None) -> ExpertGroupingDevice | None:
     """``group_by_expert(*route(x, ...))`` of ``layer`` in two launches: router_logits, then moe_route_sort
-    (the same ids and weights as moe_route_warps, moe_sort_parallel's offsets and tile list; each expert's
+    (warp_route_token's ids and weights, moe_sort_parallel's offsets and tile list; each expert's
     slots in the order atomics hand out, as there). None where the logits kernel does not run (unaligned
     rows): the caller routes the usual way. The caller checks ``route_sort_wanted``; where ``one_launch`` (default:
     given a ``ticket``, else ``route_decode_wanted``), one launch instead (``route_decode``)."""
@@ -308,31 +246,14 @@ def route_and_group(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | No
     check_router(spec, shared)
     if (one_launch if one_launch is not None else ticket is not None or route_decode_wanted(x, layer)):
         return route_decode(x, layer, ticket)
-    fused = router_fused_wanted(x, layer.gate) and layer.tid2eid is None
-    logits = (cupy.empty((int(x.shape[0]), spec.num_experts), cupy.float32) if fused
-              else router_logits(x, layer.gate, spec, layer.tid2eid))
+    logits = router_logits(x, layer.gate, spec, layer.tid2eid)
     if logits is None:
         return None
-    num_tokens, width = int(x.shape[0]), spec.top_k + shared
-    num_slots, num_experts = num_tokens * width, spec.num_experts + shared
-    tiles = max_tiles(num_slots, num_experts)
-    grouping = ExpertGroupingDevice(
-        cupy.empty((num_tokens, width), cupy.int32), cupy.empty((num_tokens, width), cupy.float32),
-        cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32), cupy.empty(num_experts + 1, cupy.int32),
-        cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(1, cupy.int32),
-        tiles, width)
+    num_tokens = int(x.shape[0])
+    grouping = ExpertGroupingDevice.empty(num_tokens, spec.top_k + shared, spec.num_experts + shared)
+    tiles = grouping.max_tiles
     defines = {"ROUTE_SHARED_EXPERTS": shared} if shared else {}
-    bias = NULL if layer.correction_bias is None else layer.correction_bias
-    if fused:  # logits, top-k and grouping in one launch; its ticket counter zeroed here
-        launch_decode("moe_routing.cu", "moe_router_route_sort", (spec.num_experts,), (ROUTE_SORT_THREADS,), (
-            x, layer.gate, np.int32(num_tokens), np.int32(x.shape[1]), logits, cupy.zeros(1, cupy.uint32), bias,
-            np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
-            np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights,
-            grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
-            grouping.num_tiles, np.int32(tiles)), **defines)
-        return grouping
-    one_warp = num_tokens <= ROUTE_SORT_WARP_MAX_TOKENS and _switch(ROUTE_SORT_WARP_ENV)
-    launch_decode("moe_routing.cu", "moe_route_sort", (1,), (32 if one_warp else ROUTE_SORT_THREADS,), (
+    launch_decode("moe_routing.cu", "moe_route_sort", (1,), (ROUTE_SORT_THREADS,), (
         logits, NULL if layer.correction_bias is None else layer.correction_bias, np.int32(num_tokens),
         np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
         np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights,
@@ -345,33 +266,23 @@ def route_decode(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | None 
     """``route_and_group`` in one launch, moe_route_decode (the caller checks ``route_decode_wanted``): the same ids,
     weights and layout as router_logits + moe_route_sort (each expert's slots in the order atomics hand out).
     ``ticket``: the kernel's counter, one zeroed uint32 of this call alone (default: zeroed here; ``moe_forward``
-    zeroes it before the shared experts' fork point, so the memset is not a node between that point and the
+    zeroes it before the shared experts' fork point, so the zeroing is not a node between that point and the
     router, where the shared GEMV would take the SMs first)."""
     spec, shared = layer.router, layer.shared_experts
     num_tokens, hidden = int(x.shape[0]), int(x.shape[1])
-    width = spec.top_k + shared
-    num_slots, num_experts = num_tokens * width, spec.num_experts + shared
-    tiles = max_tiles(num_slots, num_experts)
-    grouping = ExpertGroupingDevice(
-        cupy.empty((num_tokens, width), cupy.int32), cupy.empty((num_tokens, width), cupy.float32),
-        cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32), cupy.empty(num_experts + 1, cupy.int32),
-        cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(1, cupy.int32),
-        tiles, width)
-    grid, defines = route_decode_shape(num_tokens, hidden, spec.num_experts, num_slots)
+    grouping = ExpertGroupingDevice.empty(num_tokens, spec.top_k + shared, spec.num_experts + shared)
+    tiles = grouping.max_tiles
+    grid, defines = route_decode_shape(num_tokens, hidden, spec.num_experts, int(grouping.sorted_slots.size))
     if shared:
         defines["ROUTE_SHARED_EXPERTS"] = shared
     logits = cupy.empty((num_tokens, spec.num_experts), cupy.float32)
-    fn, gate_bytes = kernel("moe_routing.cu", "moe_route_decode", **defines), route_decode_gate_bytes(defines)
-    if fn.max_dynamic_shared_size_bytes < gate_bytes:
-        fn.max_dynamic_shared_size_bytes = gate_bytes
-    fn((grid,), (defines["ROUTE_DECODE_WARPS"] * 32,), (
+    kernel("moe_routing.cu", "moe_route_decode", **defines)((grid,), (defines["ROUTE_DECODE_WARPS"] * 32,), (
         x, layer.gate, np.int32(num_tokens), np.int32(hidden), logits,
-        route_decode_ticket(layer) if ticket is None else ticket,
+        route_decode_ticket() if ticket is None else ticket,
         NULL if layer.correction_bias is None else layer.correction_bias, np.int32(spec.num_experts),
         np.int32(spec.top_k), np.int32(SCORING[spec.scoring]), np.int32(spec.norm_topk_prob),
         np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights, grouping.offsets, grouping.sorted_slots,
-        grouping.slot_pos, grouping.tile_expert, grouping.tile_row, grouping.num_tiles, np.int32(tiles)),
-       shared_mem=gate_bytes)
+        grouping.slot_pos, grouping.tile_expert, grouping.tile_row, grouping.num_tiles, np.int32(tiles)))
     return grouping
 
 
@@ -412,11 +323,6 @@ def router_logits(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
         fn((-(-num_tokens // ROUTER_TILE), -(-spec.num_experts // ROUTER_TILE)), (128,),
            (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits), shared_mem=shared)
         return logits
-    if mma is None and router_blocks_wanted(num_tokens):  # a block per expert (see ROUTER_BLOCKS_ENV)
-        # blocks of moe_router_route_sort's size: the same sums, so both give the same logits (and routes)
-        launch_decode("moe_routing.cu", "moe_router_logits_blocks", (spec.num_experts,), (ROUTE_SORT_THREADS,),
-                      (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits))
-        return logits
     kernel("moe.cu", "moe_router_logits")(
         (num_tokens, -(-spec.num_experts // ROUTER_WARPS)), (ROUTER_WARPS * 32,),
         (x, gate, np.int32(hidden), np.int32(spec.num_experts), logits))
@@ -439,12 +345,6 @@ def select_experts(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correc
     if narrow is None:
         narrow = logits is not None and router_mma_wanted(num_tokens)
     defines = {"ROUTE_SHARED_EXPERTS": shared_experts} if shared_experts else {}
-    if num_tokens and logits is not None and tid2eid is None and route_warps_wanted(spec):
-        kernel("moe_routing.cu", "moe_route_warps", **defines)((-(-num_tokens // ROUTE_WARPS),), (ROUTE_WARPS * 32,), (
-            logits, NULL if correction_bias is None else correction_bias, np.int32(num_tokens),
-            np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
-            np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), ids, weights))
-        return ids, weights
     threads = max(64, min(256, -(-spec.num_experts // 32) * 32)) if narrow and logits is not None else 256
     if num_tokens:
         kernel("moe.cu", "moe_route", **defines)(
@@ -460,9 +360,8 @@ def select_experts(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correc
 def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int,
                     per_expert_blocks: bool | None = None, method: str | None = None) -> ExpertGroupingDevice:
     """Slots grouped by expert and the GEMM tile list (``ExpertGroupingDevice``): moe_sort_parallel
-    (one block, "single"), moe_routing.cu's block per expert ("blocks") or its chunk kernels ("chunks";
-    both: slots of an expert in slot order). ``method`` (GROUPING_METHODS) forces one, else
-    ``grouping_method``."""
+    (one block, "single") or moe_routing.cu's block per expert ("blocks": slots of an expert in slot order).
+    ``method`` (GROUPING_METHODS) forces one, else ``grouping_method``."""
     num_slots = int(ids.size)
     tiles = max_tiles(num_slots, num_experts)
     grouping = ExpertGroupingDevice(
@@ -477,23 +376,7 @@ def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int,
     method = method or grouping_method(num_slots, per_expert_blocks)
     if method not in GROUPING_METHODS:
         raise ValueError(f"unknown grouping method {method!r}; one of {', '.join(GROUPING_METHODS)}")
-    if method == "chunks" and num_slots:
-        if num_experts > MAX_EXPERTS:
-            raise ValueError(f"moe_chunk_counts keeps at most {MAX_EXPERTS} experts' counts, got {num_experts}")
-        # chunks of at least CHUNK_SLOTS slots, few enough that chunks x experts fit moe_chunk_scan's shared memory
-        max_chunks = CHUNK_SCAN_ENTRIES // num_experts
-        chunk = max(CHUNK_SLOTS, -(-num_slots // max_chunks))
-        chunks = -(-num_slots // chunk)
-        chunk_base = cupy.empty((chunks, num_experts), dtype=cupy.int32)
-        kernel("moe_routing.cu", "moe_chunk_counts")((chunks,), (CHUNK_THREADS,), (
-            ids, np.int32(num_slots), np.int32(num_experts), np.int32(chunk), chunk_base))
-        kernel("moe_routing.cu", "moe_chunk_scan")((1,), (GROUP_THREADS,), (
-            chunk_base, np.int32(chunks), np.int32(num_experts), grouping.offsets, grouping.tile_expert,
-            grouping.tile_row, grouping.num_tiles, np.int32(tiles)))
-        kernel("moe_routing.cu", "moe_chunk_place")((chunks,), (CHUNK_THREADS,), (
-            ids, np.int32(num_slots), np.int32(num_experts), np.int32(chunk), chunk_base, grouping.sorted_slots,
-            grouping.slot_pos))
-    elif method == "blocks" and num_slots:
+    if method == "blocks" and num_slots:
         if num_experts > MAX_EXPERTS:
             raise ValueError(f"moe_place_slots scans at most {MAX_EXPERTS} experts' counts, got {num_experts}")
         counts = cupy.empty(num_experts, dtype=cupy.int32)
@@ -511,52 +394,3 @@ def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int,
         kernel("moe.cu", "moe_sort")((1,), (1024,), (ids, np.int32(num_slots), np.int32(num_experts), counts,
                                                      *layout))
     return grouping
-
-
-# OPENINFER_MOE_ROUTE_NORM (opt-in until measured; =1 on): a decode step's MoE block starts with the post-attention
-# add_rms_norm, the router logits and the top-k in one launch (moe_routing.cu moe_add_rms_norm_route, a block per
-# token) where they take three (add_rms_norm, moe_router_logits, moe_route): ``moe_block``. The same bits (each
-# part's arithmetic; moe_route_warps' ids and weights, equal to moe_route's). Steps of 1..ROUTE_NORM_MAX_TOKENS tokens,
-# routers without expert groups or hash routing, the layer's shared experts fused (or none). Not faster in CUDA graphs,
-# so off: with COMBINE_NORM and GATHER_Q (H200, s11 D2) b1 / b16 / b64 2.811 / 8.067 / 9.886 ms vs 2.757 / 8.035 /
-# 9.857 with all three off (the block per token computes its 64 router logits with 32 warps, where
-# moe_router_logits spreads them over 8 blocks a token).
-ROUTE_NORM_ENV = "OPENINFER_MOE_ROUTE_NORM"
-ROUTE_NORM_MAX_TOKENS = 128
-ROUTE_NORM_MAX_EXPERTS = 512  # moe_routing.cu GROUP_MAX_EXPERTS (the logits row in shared memory)
-DEFAULT_ROUTE_NORM = False
-
-
-def route_norm_wanted(x: cupy.ndarray, layer: DeviceMoE) -> bool:
-    """Whether ``moe_block`` fuses the norm and the routing for ``x`` [T, H]: $OPENINFER_MOE_ROUTE_NORM (1 / 0, unset:
-    DEFAULT_ROUTE_NORM; another value: a clear error) and the kernel's needs (see ROUTE_NORM_ENV)."""
-    spec, tokens, hidden = layer.router, int(x.shape[0]), int(x.shape[1])
-    return (_switch(ROUTE_NORM_ENV, default=DEFAULT_ROUTE_NORM) and 0 < tokens <= ROUTE_NORM_MAX_TOKENS and layer.tid2eid is None
-            and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups) and hidden % 8 == 0
-            and layer.gate.data.ptr % 16 == 0 and spec.num_experts <= ROUTE_NORM_MAX_EXPERTS
-            and spec.top_k + layer.shared_experts <= 32)
-
-
-def add_rms_norm_route(x: cupy.ndarray, residual: cupy.ndarray, norm_weight: cupy.ndarray, eps: float,
-                       layer: DeviceMoE) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray, cupy.ndarray]:
-    """``h, residual_out = add_rms_norm(x, residual, norm_weight, eps)`` and ``route(h, ...)``'s ids and weights
-    (``[T, k + S]``) in one launch (moe_add_rms_norm_route); the caller checks ``route_norm_wanted``."""
-    spec, shared = layer.router, layer.shared_experts
-    check_router(spec, shared)
-    x, residual = cupy.ascontiguousarray(x), cupy.ascontiguousarray(residual)
-    if x.shape != residual.shape or x.dtype != cupy.uint16 or residual.dtype != cupy.uint16:
-        raise ValueError(f"add_rms_norm_route wants bf16 x and residual of one shape; got {x.dtype} {tuple(x.shape)} "
-                         f"and {residual.dtype} {tuple(residual.shape)}")
-    tokens, hidden = int(x.shape[0]), int(x.shape[1])
-    out, residual_out = cupy.empty_like(x), cupy.empty_like(x)
-    width = spec.top_k + shared
-    ids, weights = cupy.empty((tokens, width), cupy.int32), cupy.empty((tokens, width), cupy.float32)
-    if tokens:
-        threads = min(1024, max(32, -(-hidden // 64) * 32))  # the block add_rms_norm's (its sum order)
-        defines = {"ROUTE_SHARED_EXPERTS": shared} if shared else {}
-        kernel("moe_routing.cu", "moe_add_rms_norm_route", **defines)((tokens,), (threads,), (
-            x, residual, norm_weight, out, residual_out, np.int32(hidden), np.float32(eps), layer.gate,
-            NULL if layer.correction_bias is None else layer.correction_bias, np.int32(spec.num_experts),
-            np.int32(spec.top_k), np.int32(SCORING[spec.scoring]), np.int32(spec.norm_topk_prob),
-            np.float32(spec.routed_scaling_factor), ids, weights))
-    return out, residual_out, ids, weights

@@ -29,6 +29,7 @@ import numpy as np
 
 from openinfer import WeightLoadError, float32_to_bf16
 from openinfer.backend.cuda import moe as core_moe
+from openinfer.backend.cuda import moe_routing
 from openinfer.backend.cuda.loader import kernel
 from openinfer.moe import MoEWeights
 from openinfer.parallel.expert_cuda import local_grouping, zero_other_slots
@@ -140,7 +141,7 @@ def fp4_gemm_method(a: cupy.ndarray, weight: Fp4Experts, num_tokens: int, method
     return "stream" if num_tokens <= STREAM_MAX_TOKENS else "tiles"
 
 
-def fp4_grouped_gemm(a: cupy.ndarray, weight: Fp4Experts, grouping: core_moe.ExpertGroupingDevice,
+def fp4_grouped_gemm(a: cupy.ndarray, weight: Fp4Experts, grouping: moe_routing.ExpertGroupingDevice,
                      gather: bool, distinct_experts: bool = True, method: str | None = None,
                      stages: str | None = None) -> cupy.ndarray:
     """``core_moe.grouped_gemm`` for FP4 weights: rows in expert order, ``[T·k, N]`` bf16.
@@ -169,7 +170,7 @@ def fp4_grouped_gemm(a: cupy.ndarray, weight: Fp4Experts, grouping: core_moe.Exp
     return out
 
 
-def grouped_gemm(a: cupy.ndarray, weight: Any, grouping: core_moe.ExpertGroupingDevice, gather: bool,
+def grouped_gemm(a: cupy.ndarray, weight: Any, grouping: moe_routing.ExpertGroupingDevice, gather: bool,
                  distinct_experts: bool = True) -> cupy.ndarray:
     if isinstance(weight, Fp4Experts):
         return fp4_grouped_gemm(a, weight, grouping, gather, distinct_experts)
@@ -199,10 +200,10 @@ def moe_layer(ops: Any, x: cupy.ndarray, layer: MoEWeights, device: DeviceMoELay
     shared = None
     if layer.shared is not None and (rank is None or rank.comm.rank == 0):
         shared = linear(ops, swiglu_clamp(linear(ops, x, layer.shared.gate_up), layer.swiglu_limit), layer.shared.down)
-    ids, weights = core_moe.route(x, device.gate, layer.router, device.correction_bias,
+    ids, weights = moe_routing.route(x, device.gate, layer.router, device.correction_bias,
                                   token_ids if device.tid2eid is not None else None, device.tid2eid)
     if rank is None:
-        grouping = core_moe.group_by_expert(ids, weights, layer.router.num_experts)
+        grouping = moe_routing.group_by_expert(ids, weights, layer.router.num_experts)
     else:
         held = rank.expert.experts(layer.router.num_experts)
         grouping = local_grouping(ids, weights, held)

@@ -242,16 +242,6 @@ def cuda_moe_add_norm(ops: Any, h: cupy.ndarray, layer: MoEWeights, batch: Any, 
                                 add_norm=(residual, norm, eps))
 
 
-def cuda_moe_block(ops: Any, x: cupy.ndarray, residual: cupy.ndarray, post_norm: cupy.ndarray,
-                   next_norm: cupy.ndarray | None, layer: MoEWeights, batch: Any, eps: float) -> Any:
-    """``cuda_moe.moe_block`` (the post-attention norm and the routing in one launch) where $OPENINFER_MOE_ROUTE_NORM
-    asks and it fits (the shared experts fused or absent); else None (the caller runs the ops apart)."""
-    if (not isinstance(layer.stacked, DeviceMoE) or layer.shared is not None
-            or not cuda_moe.route_norm_wanted(x, layer.stacked)):
-        return None
-    return cuda_moe.moe_block(ops, x, residual, post_norm, eps, layer.stacked, next_norm)
-
-
 def cuda_start_prefetch(ops: Any, mlp: Any) -> cupy.cuda.Event | None:
     """Before a MoE layer's attention: its fused shared experts into L2 on a side stream where
     $OPENINFER_MOE_L2_PREFETCH asks (``cuda_moe.start_l2_prefetch``); the event to join, else None."""
@@ -262,5 +252,4 @@ def cuda_start_prefetch(ops: Any, mlp: Any) -> cupy.cuda.Event | None:
 
 CUDA_PLAN = KernelPlan(backend="cuda", attention=cuda_attention, moe=cuda_moe_layer, linear=cuda_linear,
                        builder=CudaLinearBuilder, prepare=prepare_weights, start_prefetch=cuda_start_prefetch,
-                       join_prefetch=cuda_moe.join_l2_prefetch, moe_add_norm=cuda_moe_add_norm,
-                       moe_block=cuda_moe_block)
+                       join_prefetch=cuda_moe.join_l2_prefetch, moe_add_norm=cuda_moe_add_norm)

@@ -129,10 +129,6 @@ class KernelPlan:
     # (ops, h, MoEWeights, batch, residual, next layer's input norm, eps) -> (h, residual) of that norm with the
     # MoE's output, fused (cuda: OPENINFER_MOE_COMBINE_NORM), or None: run ``moe`` and the norm apart
     moe_add_norm: Callable[..., Any] = lambda ops, h, layer, batch, residual, norm, eps: None
-    # (ops, attention output, residual, post-attention norm, next layer's input norm or None, MoEWeights, batch, eps)
-    # -> the MoE block from the attention's output with its norm and routing fused (cuda: OPENINFER_MOE_ROUTE_NORM):
-    # (moe out, residual), or with a next norm that norm's (h, residual); None: the ops apart
-    moe_block: Callable[..., Any] = lambda ops, x, residual, post_norm, next_norm, layer, batch, eps: None
 
 
 def numpy_attention(ops: Any, qkv_a: np.ndarray, w: Any, kv: Any, batch: Any, spec: MLASpec, rope: Any,

@@ -92,19 +92,11 @@ class KimiK2Model:
             attn = plan.linear(ops, attn, w.o_proj)
             local_moe = isinstance(layer.mlp, MoEWeights) and step is None and self.rank.expert.size == 1
             next_norm = layers[index + 1].input_norm if index + 1 < len(layers) else None
-            block = (plan.moe_block(ops, attn, residual, layer.post_attention_norm, next_norm, layer.mlp, batch, eps)
-                     if local_moe else None)
-            if block is not None:  # the MoE block from the attention's output: norm and routing fused
-                if next_norm is None:
-                    x, residual = block
-                else:
-                    normed = block
-            else:
-                h, residual = ops.add_rms_norm(attn, residual, layer.post_attention_norm, eps)
-                if local_moe and next_norm is not None:
-                    normed = plan.moe_add_norm(ops, h, layer.mlp, batch, residual, next_norm, eps)
-                if normed is None:
-                    x = self._mlp(h, layer, batch)
+            h, residual = ops.add_rms_norm(attn, residual, layer.post_attention_norm, eps)
+            if local_moe and next_norm is not None:
+                normed = plan.moe_add_norm(ops, h, layer.mlp, batch, residual, next_norm, eps)
+            if normed is None:
+                x = self._mlp(h, layer, batch)
             plan.join_prefetch(prefetch)
         x = ops.gather_rows(x, batch.logits_rows)
         residual = ops.gather_rows(residual, batch.logits_rows)

@@ -183,13 +183,13 @@ def test_fp4_grouped_gemms(ops, method, tokens):
     rows on each expert (several tiles, several stream passes)."""
     from openinfer_deepseek_v4.cuda_experts import fp4_grouped_gemm
 
-    from openinfer.backend.cuda import moe as core_moe
+    from openinfer.backend.cuda import moe_routing
 
     rng = np.random.default_rng(10 + tokens)
     num_experts, top_k, out_features, in_features = 8, 6, 1536, 4096
     experts, dense = fp4_experts(rng, num_experts, out_features, in_features)
     ids = distinct_ids(rng, tokens, num_experts, top_k)
-    grouping = core_moe.group_by_expert(cupy.asarray(ids), cupy.asarray(rng.random(ids.shape, np.float32)),
+    grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.asarray(rng.random(ids.shape, np.float32)),
                                         num_experts)
     sorted_slots = host(grouping.sorted_slots)
     x = bf16(rng.standard_normal((tokens, in_features)))
@@ -214,7 +214,7 @@ def test_fp4_decode_every_code_exact(ops, method):
     are exact sums — ±0.5, a bf16 subnormal before the scale multiply, must not flush to zero."""
     from openinfer_deepseek_v4.cuda_experts import Fp4Experts, fp4_grouped_gemm
 
-    from openinfer.backend.cuda import moe as core_moe
+    from openinfer.backend.cuda import moe_routing
 
     in_features = 256
     codes_per_row, scale_values = np.arange(16, dtype=np.uint8), np.array([127, 118, 129, 131], np.uint8)
@@ -224,7 +224,7 @@ def test_fp4_decode_every_code_exact(ops, method):
     experts = Fp4Experts(cupy.asarray(codes[None]), cupy.asarray(scales[None]), out_features, in_features)
     x = np.zeros((3, in_features), np.float32)
     x[0, 0], x[1, 1::2], x[2] = 1.0, 0.25, -1.0
-    grouping = core_moe.group_by_expert(cupy.zeros((3, 1), cupy.int32), cupy.ones((3, 1), cupy.float32), 1)
+    grouping = moe_routing.group_by_expert(cupy.zeros((3, 1), cupy.int32), cupy.ones((3, 1), cupy.float32), 1)
     out = host(fp4_grouped_gemm(dev_bf16(x), experts, grouping, gather=True, method=method))
     np.testing.assert_array_equal(out, x @ dequantize_fp4_e2m1(codes, scales).T)
 
@@ -236,7 +236,7 @@ def test_fp4_moe_layer(ops, tokens):
     from openinfer_deepseek_v4.cuda_experts import device_layer, moe_layer
 
     from openinfer import create_backend
-    from openinfer.backend.cuda import moe as core_moe
+    from openinfer.backend.cuda import moe_routing
     from openinfer.moe import ExpertWeights, MoEWeights, RouterSpec, swiglu
 
     backend = create_backend("cuda")
@@ -256,7 +256,7 @@ def test_fp4_moe_layer(ops, tokens):
     x = bf16(rng.standard_normal((tokens, hidden)))
     x_dev = dev_bf16(x)
     out = host(moe_layer(backend, x_dev, layer, device, cupy.zeros(tokens, cupy.int32)))
-    ids, weights = (host(a) for a in core_moe.route(x_dev, device.gate, router, device.correction_bias))
+    ids, weights = (host(a) for a in moe_routing.route(x_dev, device.gate, router, device.correction_bias))
     expected = bf16(swiglu(bf16(x @ shared_gate_up.T), limit)) @ shared_down.T
     for t in range(tokens):
         for j in range(top_k):
@@ -300,14 +300,14 @@ def test_stream_stages_four_equal_two_bit_for_bit(ops, tokens):
     from openinfer_deepseek_v4.cuda_experts import fp4_grouped_gemm
     from openinfer_deepseek_v4.cuda_linears import fp8_linear, upload_fp8_linear
 
-    from openinfer.backend.cuda import moe as core_moe
+    from openinfer.backend.cuda import moe_routing
     from openinfer.backend.cuda.cublas import Cublas
     from tests.plugins.deepseek_v4.test_dsv4_cuda_emulated import random_fp8_linear
 
     rng = np.random.default_rng(20 + tokens)
     experts, _ = fp4_experts(rng, 8, 512, 4096)
     ids = distinct_ids(rng, tokens, 8, 6)
-    grouping = core_moe.group_by_expert(cupy.asarray(ids), cupy.asarray(rng.random(ids.shape, np.float32)), 8)
+    grouping = moe_routing.group_by_expert(cupy.asarray(ids), cupy.asarray(rng.random(ids.shape, np.float32)), 8)
     x = dev_bf16(bf16(rng.standard_normal((tokens, 4096))))
     two, four = (cupy.asnumpy(fp4_grouped_gemm(x, experts, grouping, gather=True, method="stream", stages=stages))
                  for stages in ("2", "4"))
