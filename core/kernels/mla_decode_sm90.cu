@@ -267,10 +267,13 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         for (int s = 0; s < TMA_STAGES; ++s) mbar_init(bars + 8 * s, 1);
         mbar_init_fence();
     }
-    // MLA_PDL: the set-up above overlaps the previous kernel; the queries, the new latent rows (the first tiles'
-    // copies) and every global write come after it. With MLA_PDL_EARLY_TILES the first tiles wholly before this
-    // step's first new position of the sequence (cache rows earlier steps wrote; the previous kernels write only the
-    // step's own rows) are copied before the wait: the key stream starts while the latent write still runs.
+    // MLA_PDL: the set-up above overlaps the previous kernel (it reads only the step's inputs: token list, query
+    // starts, positions, block tables; it writes only shared memory); the queries (q_latent, q), the new latent rows
+    // (the first tiles' copies; under TMA_FUSED_WRITE kv_a's own row) and every global write (the cache slot, the
+    // outputs, an empty split's (max, sum)) come after mla_pdl_enter's wait. With MLA_PDL_EARLY_TILES the first tiles
+    // wholly before this step's first new position of the sequence (cache rows earlier steps wrote; the previous
+    // kernels write only the step's own rows) are copied before the wait: the key stream starts while the latent write
+    // still runs.
     int early_tiles = 0;
 #if MLA_PDL && MLA_PDL_EARLY_TILES
     if (threadIdx.x == 0 && num_tiles > 0) {

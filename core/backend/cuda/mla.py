@@ -784,9 +784,9 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
             splits = max(splits, mla_decode_sm90.BALANCE_MIN_SPLITS)
             balance_slots = max(1, blocks_per_sm * num_sms // head_chunks)
         staged_q = mla_decode_sm90.q_tile(latent_write is not None) and mla_decode_sm90.q_tile_fits(spec, q, *q_layout)
-        # the fused latent write reads kv_a and writes the cache before any PDL wait: plain launch (s13 D4 found the
-        # opt-in $OPENINFER_MLA_PDL with it wrong under graph replay)
-        tma_pdl = pdl() and cluster == 1 and latent_write is None
+        # with the fused latent write too: its kv_a, q and q_latent reads and its cache and output writes all follow the
+        # kernel's griddepcontrol.wait (mla_pdl_enter; GPU-tested against a writer that lets it launch early)
+        tma_pdl = pdl() and cluster == 1
         tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, tma_pdl,
                                                                     latent_write is not None, staged_q)
     else:
