@@ -386,7 +386,8 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         query_fragments(qf, warp, pair, [&](int d, bool high) {
             const bool valid = (high ? group + 8 : group) < heads;
             const long long head = high ? head_hi : head_lo;
-            const bf16* src = d < KV_LORA ? q_latent + head * KV_LORA + d : q + head * q_stride + q_pe_offset + (d - KV_LORA);
+            const bf16* src = d < KV_LORA ? q_latent + head * KV_LORA + d
+                                          : q + head * q_stride + q_pe_offset + (d - KV_LORA);
             return valid ? *reinterpret_cast<const unsigned*>(src) : 0u;
         });
     }

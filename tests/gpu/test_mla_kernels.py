@@ -542,17 +542,19 @@ def _decode_rows(name: str) -> tuple[list[int], list[int]]:
     return ([int(c) for c in np.arange(rows) * 37], [1] * rows) if rows else DECODES[name]
 
 
-# The step's q and latent rows written by a kernel that lets the next one launch at once (griddepcontrol.launch_dependents
-# first) and stores them only after LATE_SPIN clock cycles (~0.5 ms): a PDL-launched kernel after it that read them
-# before its griddepcontrol.wait (directly, or through mla_absorb_small, which triggers at its top) would see the
-# zeros they held before.
+# The step's q and latent rows written by a kernel that lets the next one launch at once
+# (griddepcontrol.launch_dependents first) and stores them only after LATE_SPIN clock cycles (~0.5 ms): a PDL-launched
+# kernel after it that read them before its griddepcontrol.wait (directly, or through mla_absorb_small, which triggers
+# at its top) would see the zeros they held before.
 _LATE_COPY = r"""
 extern "C" __global__ void late_copy(const unsigned short* latent_src, unsigned short* latent, long long latent_count,
-                                     const unsigned short* q_src, unsigned short* q, long long q_count, long long spin) {
+                                     const unsigned short* q_src, unsigned short* q, long long q_count,
+                                     long long spin) {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     const long long start = clock64();
     while (clock64() - start < spin) {}
-    const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+    const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = first; i < latent_count; i += stride) latent[i] = latent_src[i];
     for (long long i = first; i < q_count; i += stride) q[i] = q_src[i];
 }
@@ -642,6 +644,9 @@ def test_pdl_switch_and_launch_arguments(monkeypatch):
     monkeypatch.setenv(cuda_mla.PDL_ENV, "on")
     with pytest.raises(ValueError, match="OPENINFER_MLA_PDL"):
         cuda_mla.pdl()
+    monkeypatch.setenv(cuda_mla.PDL_FUSED_WRITE_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_PDL_FUSED_WRITE"):
+        cuda_mla.pdl_fused_write()
     with pytest.raises(TypeError, match="NumPy"):
         kernel_argument(3)
     # the combine: flat up to 4 splits, wide past them, unless forced
@@ -777,16 +782,18 @@ def test_tma_fused_write_graph_replay_equals_eager(cuda_backend, rng, monkeypatc
 @pytest.mark.parametrize("early", ["0", "1"])
 @pytest.mark.parametrize("w_uk", ["small", "cublas"])
 def test_tma_fused_write_pdl_waits_for_late_inputs(cuda_backend, rng, monkeypatch, heads, decodes, early, w_uk):
-    """$OPENINFER_MLA_PDL=1 with the folded latent write (mla_attention_tma PDL-launched, its own tiles copied before the
-    wait with early tiles): the step's kv_a and q written late by a kernel that lets the next launch at once, W_UK by
-    mla_absorb_small (PDL-launched, triggering at its top: the attention then starts while the writer still runs) or
-    cuBLAS; eager on a stream and as a replayed CUDA graph, the plain launches' bits and within bf16 of NumPy."""
+    """$OPENINFER_MLA_PDL=1 and $OPENINFER_MLA_PDL_FUSED_WRITE=1 with the folded latent write (mla_attention_tma
+    PDL-launched, its own tiles copied before the wait with early tiles): the step's kv_a and q written late by a
+    kernel that lets the next launch at once, W_UK by mla_absorb_small (PDL-launched, triggering at its top: the
+    attention then starts while the writer still runs) or cuBLAS; eager on a stream and as a replayed CUDA graph, the
+    plain launches' bits and within bf16 of NumPy."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import mla_decode_sm90
 
     if not _hopper():
         pytest.skip("the TMA decode kernel and griddepcontrol need compute capability 9.0")
     monkeypatch.setenv(cuda_mla.FUSED_WRITE_ENV, "1")
+    monkeypatch.setenv(cuda_mla.PDL_FUSED_WRITE_ENV, "1")  # the fused-write kernel PDL-launched too (opt-in)
     monkeypatch.setenv(cuda_mla.ABSORB_SMALL_ENV, "1" if w_uk == "small" else "0")
     monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "0")
     monkeypatch.setenv(mla_decode_sm90.EARLY_TILES_ENV, early)
