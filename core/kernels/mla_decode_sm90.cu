@@ -183,6 +183,19 @@ __device__ __forceinline__ unsigned key_pair_mask(int key, int end) {
 #define TMA_FUSED_WRITE 0
 #endif
 
+// A warp's query A fragments for its score steps, without staging (TMA_Q_TILE 0): part p of step kk holds dims
+// d, d + 1 (d = its step's 16-dim block + pair + 8 (p >> 1)) of head row group (p even) or group + 8 (p odd);
+// word(d, high) loads that 4-byte word (high: the row of group + 8). One walk for the plain and the fused-write loads.
+template <typename QueryWord>
+__device__ __forceinline__ void query_fragments(unsigned (&qf)[SCORE_STEPS][4], int warp, int pair, QueryWord word) {
+#pragma unroll
+    for (int kk = 0; kk < SCORE_STEPS; ++kk) {
+        const int dim = (warp * SCORE_STEPS + kk) * 16 + pair;
+#pragma unroll
+        for (int part = 0; part < 4; ++part) qf[kk][part] = word(dim + 8 * (part >> 1), (part & 1) != 0);
+    }
+}
+
 // grid (T, ceil(num_heads / 16), num_splits), TMA_THREADS threads, TMA_SMEM bytes of dynamic shared memory.
 // Arguments as mla_attention_mma_shared's, then the cache's tensor map (cache_map).
 #ifndef MLA_PDL_EARLY_TILES
@@ -254,10 +267,13 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         for (int s = 0; s < TMA_STAGES; ++s) mbar_init(bars + 8 * s, 1);
         mbar_init_fence();
     }
-    // MLA_PDL: the set-up above overlaps the previous kernel; the queries, the new latent rows (the first tiles'
-    // copies) and every global write come after it. With MLA_PDL_EARLY_TILES the first tiles wholly before this
-    // step's first new position of the sequence (cache rows earlier steps wrote; the previous kernels write only the
-    // step's own rows) are copied before the wait: the key stream starts while the latent write still runs.
+    // MLA_PDL: the set-up above overlaps the previous kernel (it reads only the step's inputs: token list, query
+    // starts, positions, block tables; it writes only shared memory); the queries (q_latent, q), the new latent rows
+    // (the first tiles' copies; under TMA_FUSED_WRITE kv_a's own row) and every global write (the cache slot, the
+    // outputs, an empty split's (max, sum)) come after mla_pdl_enter's wait. With MLA_PDL_EARLY_TILES the first tiles
+    // wholly before this step's first new position of the sequence (cache rows earlier steps wrote; the previous
+    // kernels write only the step's own rows) are copied before the wait: the key stream starts while the latent write
+    // still runs.
     int early_tiles = 0;
 #if MLA_PDL && MLA_PDL_EARLY_TILES
     if (threadIdx.x == 0 && num_tiles > 0) {
@@ -341,51 +357,39 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
 #elif TMA_FUSED_WRITE
     {  // q_latent as it is; q's rope dims from the projection's rows, rotated here
         const int half = ROPE_DIM / 2;
+        query_fragments(qf, warp, pair, [&](int d, bool high) {
+            const int h = high ? group + 8 : group;
+            unsigned value = 0u;
+            if (h < heads && d < KV_LORA) {
+                value = *reinterpret_cast<const unsigned*>(q_latent + ((long long)t * num_heads + head0 + h) * KV_LORA + d);
+            } else if (h < heads) {
+                const int r = d - KV_LORA, i = r < half ? r : r - half;  // r even: dims r, r + 1 of the pair's half
+                const bf16* pe = q + (long long)t * q_token_stride + (long long)(head0 + h) * q_stride + q_pe_offset;
+                const __nv_bfloat162 self = *reinterpret_cast<const __nv_bfloat162*>(pe + r);
+                const __nv_bfloat162 other = *reinterpret_cast<const __nv_bfloat162*>(pe + (r < half ? r + half : r - half));
+                float out[2];
 #pragma unroll
-        for (int kk = 0; kk < SCORE_STEPS; ++kk) {
-            const int dim = (warp * SCORE_STEPS + kk) * 16 + pair;
-#pragma unroll
-            for (int part = 0; part < 4; ++part) {
-                const int d = dim + 8 * (part >> 1);
-                const int h = part & 1 ? group + 8 : group;
-                unsigned value = 0u;
-                if (h < heads && d < KV_LORA) {
-                    value = *reinterpret_cast<const unsigned*>(q_latent + ((long long)t * num_heads + head0 + h) * KV_LORA + d);
-                } else if (h < heads) {
-                    const int r = d - KV_LORA, i = r < half ? r : r - half;  // r even: dims r, r + 1 of the pair's half
-                    const bf16* pe = q + (long long)t * q_token_stride + (long long)(head0 + h) * q_stride + q_pe_offset;
-                    const __nv_bfloat162 self = *reinterpret_cast<const __nv_bfloat162*>(pe + r);
-                    const __nv_bfloat162 other = *reinterpret_cast<const __nv_bfloat162*>(pe + (r < half ? r + half : r - half));
-                    float out[2];
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float x_self = __bfloat162float(e ? self.y : self.x);
-                        const float x_other = __bfloat162float(e ? other.y : other.x);
-                        out[e] = r < half ? mla_rope_pair(x_self, x_other, cos_row[i + e], sin_row[i + e]).x
-                                          : mla_rope_pair(x_other, x_self, cos_row[i + e], sin_row[i + e]).y;
-                    }
-                    value = pack_bf16x2(out[0], out[1]);
+                for (int e = 0; e < 2; ++e) {
+                    const float x_self = __bfloat162float(e ? self.y : self.x);
+                    const float x_other = __bfloat162float(e ? other.y : other.x);
+                    out[e] = r < half ? mla_rope_pair(x_self, x_other, cos_row[i + e], sin_row[i + e]).x
+                                      : mla_rope_pair(x_other, x_self, cos_row[i + e], sin_row[i + e]).y;
                 }
-                qf[kk][part] = value;
+                value = pack_bf16x2(out[0], out[1]);
             }
-        }
+            return value;
+        });
     }
 #else
     {
         const long long head_lo = (long long)t * num_heads + head0 + group, head_hi = head_lo + 8;
-#pragma unroll
-        for (int kk = 0; kk < SCORE_STEPS; ++kk) {
-            const int dim = (warp * SCORE_STEPS + kk) * 16 + pair;
-#pragma unroll
-            for (int part = 0; part < 4; ++part) {
-                const int d = dim + 8 * (part >> 1);
-                const bool valid = (part & 1 ? group + 8 : group) < heads;
-                const long long head = part & 1 ? head_hi : head_lo;
-                const bf16* src = d < KV_LORA ? q_latent + head * KV_LORA + d
-                                              : q + head * q_stride + q_pe_offset + (d - KV_LORA);
-                qf[kk][part] = valid ? *reinterpret_cast<const unsigned*>(src) : 0u;
-            }
-        }
+        query_fragments(qf, warp, pair, [&](int d, bool high) {
+            const bool valid = (high ? group + 8 : group) < heads;
+            const long long head = high ? head_hi : head_lo;
+            const bf16* src = d < KV_LORA ? q_latent + head * KV_LORA + d
+                                          : q + head * q_stride + q_pe_offset + (d - KV_LORA);
+            return valid ? *reinterpret_cast<const unsigned*>(src) : 0u;
+        });
     }
 #endif
 #if TMA_FUSED_WRITE
