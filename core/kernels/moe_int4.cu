@@ -90,8 +90,8 @@
 #error "GROUPS_ROW_STREAM: the register ring, unrotated, plain (not fused), without K split"
 #endif
 #ifndef GROUPS_L2_PREFETCH
-#define GROUPS_L2_PREFETCH 0  // > 0: lane 0 asks L2 for the chunk this many past each one the register ring loads
-#endif                        // (cp.async.bulk.prefetch: DRAM reads in flight beyond the registers' ring)
+#define GROUPS_L2_PREFETCH 0  // > 0: the warp asks L2 for the chunk this many past each one the register ring loads
+#endif                        // (prefetch.global.L2: DRAM reads in flight beyond the registers' ring)
 #if GROUPS_L2_PREFETCH && GROUPS_STAGES
 #error "GROUPS_L2_PREFETCH: the register ring"
 #endif
@@ -157,22 +157,23 @@ __device__ __forceinline__ GroupsChunk groups_load(const GroupsRows& rows, int c
     return chunk;
 }
 
-// GROUPS_L2_PREFETCH: chunk `c` of the warp's rows asked of L2 by lane 0 (`rows`: lane 0's, so the first half's words
-// and its scale pair; the chunk's scales are one 128-byte line); a no-op off the GPU.
+// GROUPS_L2_PREFETCH: this lane's bytes of chunk `c` of the warp's rows asked of L2 (prefetch.global.L2: no register
+// written, nothing waited for): its 16 bytes of each half and its scale pair's sector (the lanes together: the chunk's
+// 1 KB and its scales' 128-byte line; fused, the up rows' line too); a no-op off the GPU. (A bulk prefetch by lane 0
+// takes uniform registers: ptxas wraps each in a loop over the lanes' addresses, ~10 instructions.)
 __device__ __forceinline__ void groups_prefetch_l2(const GroupsRows& rows, int c) {
 #if GROUPS_L2_PREFETCH && !defined(MMA_HOST_STANDIN)
     const unsigned char *w = rows.w_lo + (unsigned long long)(unsigned)c * 1024u,
                         *s = rows.s_lo + (unsigned long long)(unsigned)c * 128u;
-    const auto line = [](const unsigned char* at) { return reinterpret_cast<unsigned long long>(at) & ~127ull; };
-#if GROUPS_FUSE_SILU  // the gate rows' half and the up rows' half, in two chunks
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], 512;" ::"l"(w));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], 512;" ::"l"(w + rows.w_hi));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], 128;" ::"l"(line(s)));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], 128;" ::"l"(line(s + rows.s_hi)));
-#else  // the 16-row block's whole chunk
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], 1024;" ::"l"(w));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], 128;" ::"l"(line(s)));
+#if GROUPS_FUSE_SILU  // the up rows' half and scales in another chunk
+    const unsigned char *w_hi = w + rows.w_hi, *s_hi = s + rows.s_hi;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(s_hi));
+#else
+    const unsigned char* w_hi = w + 512;
 #endif
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(w));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(w_hi));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(s));
 #else
     (void)rows;
     (void)c;
@@ -637,13 +638,13 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             GroupsRows prefetch_rows = rows_of_warp;
             const auto prefetch_next = [&]() {
                 if (prefetch_left > 0) {
-                    if (lane == 0) groups_prefetch_l2(prefetch_rows, prefetch_chunk);
+                    groups_prefetch_l2(prefetch_rows, prefetch_chunk);
                     walk_on(prefetch_chunk, prefetch_rows);
                     --prefetch_left;
                 }
             };
             for (int d = 0; d < GROUPS_L2_PREFETCH && prefetch_left > 0; ++d, --prefetch_left) {
-                if (d + 1 >= GROUPS_DEPTH && lane == 0) groups_prefetch_l2(prefetch_rows, prefetch_chunk);
+                if (d + 1 >= GROUPS_DEPTH) groups_prefetch_l2(prefetch_rows, prefetch_chunk);
                 walk_on(prefetch_chunk, prefetch_rows);
             }
 #endif

@@ -290,9 +290,10 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # ring) runs as one wave of 448 blocks, each warp one walk of 32 chunks; gate_up (one wave) and the fused
     # SiLU·mul form as groups_xs. Opt-in until measured.
     "groups_xs_rs": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1},
-    # ... with lane 0 asking L2 for the chunk 6 / 12 past each one the register ring loads (GROUPS_L2_PREFETCH,
-    # cp.async.bulk.prefetch: DRAM reads in flight beyond the ring's 3 chunks a warp, from the block's start on, while
-    # it stages its activations); sm_90a ptxas 128 / 122 registers (pf / rs_pf), no spills. Opt-in until measured.
+    # ... with the warp asking L2 for the chunk 6 / 12 past each one the register ring loads (GROUPS_L2_PREFETCH,
+    # prefetch.global.L2, 3 a lane a chunk: DRAM reads in flight beyond the ring's 3 chunks a warp, from the block's
+    # start on, while it stages its activations); sm_90 ptxas 127 / 122 registers (pf / rs_pf), no spills. Opt-in
+    # until measured.
     "groups_xs_pf6": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_L2_PREFETCH": 6},
     "groups_xs_pf12": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_L2_PREFETCH": 12},
     "groups_xs_rs_pf6": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1, "GROUPS_L2_PREFETCH": 6},
