@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from openinfer import float32_to_bf16
+from openinfer import bf16_to_float32, float32_to_bf16
 from openinfer.quant import dequantize_int4_group, quantize_int4_group, untile_int4
 from tests.gpu.conftest import bf16_random, relative_error
+from tests.gpu.test_moe_grouped import _replayed  # a CUDA-graph replay on a stream of its own
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -428,8 +429,8 @@ def test_lane_groups_row_stream_and_prefetch_equal_groups_xs(cuda_backend, cuda_
     """groups_xs_rs (moe_int4.cu GROUPS_ROW_STREAM: a warp's column blocks walked as one chunk stream) and the
     L2-prefetching forms (GROUPS_L2_PREFETCH) give groups_xs's bits (the same sums in the same order): eight experts
     every token takes, N = 7136 (Kimi-K2's down rows less 32: 112 column blocks x 9 tile rows, the last block's last
-    two warps past N; unset, "auto" streams 2 column blocks a block on 132 SMs; "3": a grid of 38, its last block
-    three), K = 384 (three chunks: the walk crosses column blocks mid-ring); 3 tokens: passes of 2 and 1. And the
+    two warps past N; unset, "auto" streams 2 column blocks a block on 132 SMs; "3": a grid of 38, blocks 0-34
+    stream three, 36-37 two, 35's warps three or two), K = 384 (three chunks: the walk crosses column blocks mid-ring); 3 tokens: passes of 2 and 1. And the
     NumPy product, and a CUDA-graph replay's bits."""
     moe = cuda_moe
     num_experts, top_k, in_features = 8, 8, 384
@@ -450,20 +451,9 @@ def test_lane_groups_row_stream_and_prefetch_equal_groups_xs(cuda_backend, cuda_
     assert np.array_equal(got, want)
     slots = cupy.asnumpy(grouping.sorted_slots)
     expected = np.stack([x_host[s // top_k] @ reference[ids.reshape(-1)[s]].T for s in slots])
-    assert relative_error(got, expected) < BF16_TOL
-    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-    with cupy.cuda.using_allocator(pool.malloc), stream:
-        run()
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            out = run()
-        finally:
-            graph = stream.end_capture()
-        out[...] = 0
-        graph.launch(stream)
-        stream.synchronize()
-        assert np.array_equal(cupy.asnumpy(out), want)
+    assert relative_error(bf16_to_float32(got), expected) < BF16_TOL  # (got: the bf16 bits)
+    eager, replay = _replayed(run)
+    assert np.array_equal(eager, want) and np.array_equal(replay, want)
 
 
 @pytest.mark.parametrize("n,k", [(12288, 1536), (100, 264), (37, 7168), (40, 2056)])
