@@ -632,8 +632,8 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             GroupsChunk ring[GROUPS_DEPTH];
             int load_chunk = start;  // the next chunk the ring loads (of the column block at load_rows)
             GroupsRows load_rows = rows_of_warp;
-#if GROUPS_L2_PREFETCH  // the L2 prefetch's own walk, GROUPS_L2_PREFETCH chunks ahead of the ring's loads (its first
-            // chunks: those the ring loads first, past the ring's first GROUPS_DEPTH - 1 asked for at once)
+#if GROUPS_L2_PREFETCH  // the L2 prefetch's own walk, GROUPS_L2_PREFETCH chunks ahead of the ring's loads: from the
+            // chunk after the ring's first GROUPS_DEPTH - 1 (loaded at once)
             int prefetch_chunk = start, prefetch_left = count;
             GroupsRows prefetch_rows = rows_of_warp;
             const auto prefetch_next = [&]() {
@@ -643,23 +643,26 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                     --prefetch_left;
                 }
             };
-            for (int d = 0; d < GROUPS_L2_PREFETCH && prefetch_left > 0; ++d, --prefetch_left) {
-                if (d + 1 >= GROUPS_DEPTH) groups_prefetch_l2(prefetch_rows, prefetch_chunk);
+            for (int d = 0; d + 1 < GROUPS_DEPTH && prefetch_left > 0; ++d, --prefetch_left)
                 walk_on(prefetch_chunk, prefetch_rows);
-            }
 #endif
-            // the ring's next chunk (and the L2 prefetch's)
-            const auto load_next = [&]() {
+            // the ring's next chunk (`ahead`: and the L2 prefetch's)
+            const auto load_next = [&](bool ahead) {
                 const GroupsChunk chunk = groups_load(load_rows, load_chunk);
                 walk_on(load_chunk, load_rows);
 #if GROUPS_L2_PREFETCH
-                prefetch_next();
+                if (ahead) prefetch_next();
+#else
+                (void)ahead;
 #endif
                 return chunk;
             };
     #pragma unroll
             for (int d = 0; d + 1 < GROUPS_DEPTH; ++d)
-                if (d < count) ring[d] = load_next();
+                if (d < count) ring[d] = load_next(false);
+#if GROUPS_L2_PREFETCH  // then the next GROUPS_L2_PREFETCH chunks asked of L2 (in flight while the block stages)
+            for (int d = 0; d < GROUPS_L2_PREFETCH; ++d) prefetch_next();
+#endif
             if (!waited) {  // DECODE_PDL 2: the ring's first chunks are in flight
                 decode_pdl_wait();
                 decode_pdl_launch_dependents();
@@ -694,7 +697,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             for (; c0 + 2 * GROUPS_DEPTH - 1 <= count; c0 += GROUPS_DEPTH) {  // every load of the turn in range
     #pragma unroll
                 for (int d = 0; d < GROUPS_DEPTH; ++d) {
-                    ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = load_next();  // the slot used last
+                    ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = load_next(true);  // the slot used last
                     groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
                     x_chunk = next_chunk(x_chunk);
                     consume(ring[d], xv[d % 2]);
@@ -704,7 +707,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
     #pragma unroll
                 for (int d = 0; d < GROUPS_DEPTH; ++d) {
                     const int c = c0 + d;
-                    if (c + GROUPS_DEPTH - 1 < count) ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = load_next();
+                    if (c + GROUPS_DEPTH - 1 < count) ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = load_next(true);
                     if (c < count) {
                         if (c + 1 < count) {
                             groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
