@@ -421,7 +421,8 @@ def down_shaped_experts(cuda_backend):
     return moe.tiled_int4(rows_weight, "lane_groups"), reference
 
 
-@pytest.mark.parametrize("gemv_kernel", ["groups_xs_rs", "groups_xs_rs_pf6", "groups_xs_pf6", "groups_xs_pf12"])
+@pytest.mark.parametrize("gemv_kernel", ["groups_xs_rs", "groups_xs_rs_pf6", "groups_xs_rs_pf12", "groups_xs_pf6",
+                                         "groups_xs_pf12"])
 @pytest.mark.parametrize("row_blocks", [None, "3"])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_lane_groups_row_stream_and_prefetch_equal_groups_xs(cuda_backend, cuda_moe, rng, monkeypatch,

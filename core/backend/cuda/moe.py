@@ -297,6 +297,7 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "groups_xs_pf6": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_L2_PREFETCH": 6},
     "groups_xs_pf12": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_L2_PREFETCH": 12},
     "groups_xs_rs_pf6": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1, "GROUPS_L2_PREFETCH": 6},
+    "groups_xs_rs_pf12": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1, "GROUPS_L2_PREFETCH": 12},
     # (Read at their mma, GROUPS_XSMEM_AT_USE: 93 / 80 registers, 5 / 6 blocks an SM; slower in s13 D3: gate_up / down
     # 38.9 / 24.9 and, ring of 2, 42.4 / 27.0 us vs 37.8 / 24.0; deleted.)
     # (Without the chunk walk's wrap test when unrotated, GROUPS_LINEAR_WALK, 97 -> 90 SASS instructions per KB: within
