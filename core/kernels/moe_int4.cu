@@ -83,6 +83,18 @@
 #ifndef GROUPS_ROW_BLOCKS
 #define GROUPS_ROW_BLOCKS 1  // column blocks per block: blockIdx.x, + gridDim.x, ... (the host's grid x: ceil(blocks / this))
 #endif                       // so a short-K projection of many row blocks (Kimi-K2's down) runs as one wave
+#ifndef GROUPS_ROW_STREAM
+#define GROUPS_ROW_STREAM 0  // 1: a warp's GROUPS_ROW_BLOCKS column blocks walked as ONE chunk stream (the register ring
+#endif                       // never drains between them, the pass's activations staged once; the plain form, unrotated)
+#if GROUPS_ROW_STREAM && (GROUPS_STAGES || GROUPS_KSPLIT > 1 || GROUPS_ROTATE || GROUPS_FUSE_SILU)
+#error "GROUPS_ROW_STREAM: the register ring, unrotated, plain (not fused), without K split"
+#endif
+#ifndef GROUPS_L2_PREFETCH
+#define GROUPS_L2_PREFETCH 0  // > 0: the warp asks L2 for the chunk this many past each one the register ring loads
+#endif                        // (prefetch.global.L2: DRAM reads in flight beyond the registers' ring)
+#if GROUPS_L2_PREFETCH && GROUPS_STAGES
+#error "GROUPS_L2_PREFETCH: the register ring"
+#endif
 #ifndef GROUPS_MIN_BLOCKS
 #define GROUPS_MIN_BLOCKS 4  // resident blocks per SM asked of ptxas (4: at most 128 registers, 16 warps per SM)
 #endif
@@ -143,6 +155,29 @@ __device__ __forceinline__ GroupsChunk groups_load(const GroupsRows& rows, int c
     chunk.s_lo = *reinterpret_cast<const unsigned*>(s_lo);
     chunk.s_hi = *reinterpret_cast<const unsigned*>(s_hi);
     return chunk;
+}
+
+// GROUPS_L2_PREFETCH: this lane's bytes of chunk `c` of the warp's rows asked of L2 (prefetch.global.L2: no register
+// written, nothing waited for): its 16 bytes of each half and its scale pair's sector (the lanes together: the chunk's
+// 1 KB and its scales' 128-byte line; fused, the up rows' line too); a no-op off the GPU. (A bulk prefetch by lane 0
+// takes uniform registers: ptxas wraps each in a loop over the lanes' addresses, ~10 instructions.)
+__device__ __forceinline__ void groups_prefetch_l2(const GroupsRows& rows, int c) {
+#if GROUPS_L2_PREFETCH && !defined(MMA_HOST_STANDIN)
+    const unsigned char *w = rows.w_lo + (unsigned long long)(unsigned)c * 1024u,
+                        *s = rows.s_lo + (unsigned long long)(unsigned)c * 128u;
+#if GROUPS_FUSE_SILU  // the up rows' half and scales in another chunk
+    const unsigned char *w_hi = w + rows.w_hi, *s_hi = s + rows.s_hi;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(s_hi));
+#else
+    const unsigned char* w_hi = w + 512;
+#endif
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(w));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(w_hi));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(s));
+#else
+    (void)rows;
+    (void)c;
+#endif
 }
 
 #if GROUPS_STAGES
@@ -419,8 +454,9 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
 #if GROUPS_XSMEM
     GROUPS_DYNAMIC_SHARED(groups_xs);  // the pass's staged activations (groups_stage_activations)
 #endif
-    // GROUPS_ROW_BLOCKS column blocks in turn (a block-uniform loop: the KSPLIT barriers stay matched)
-    for (int row_block = 0; row_block < GROUPS_ROW_BLOCKS; ++row_block) {
+    // GROUPS_ROW_BLOCKS column blocks in turn (a block-uniform loop: the KSPLIT barriers stay matched); streamed
+    // (GROUPS_ROW_STREAM): one turn, the warp's walk running on through its further column blocks
+    for (int row_block = 0; row_block < (GROUPS_ROW_STREAM ? 1 : GROUPS_ROW_BLOCKS); ++row_block) {
         const int bx = blockIdx.x + row_block * gridDim.x;
         // split K: the block's warps in groups of GROUPS_KSPLIT share a row block, warp `slice` its slice of K
         const int slice = warp % GROUPS_KSPLIT, column_warp = bx * (GROUPS_WARPS / GROUPS_KSPLIT) + warp / GROUPS_KSPLIT;
@@ -482,9 +518,32 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
 #else
         const int c_begin = 0, c_end = chunks;
 #endif
+#if GROUPS_ROW_STREAM  // the warp's column blocks bx, bx + gridDim.x, ... holding rows: `streamed` of them, one walk;
+        // its 16-row blocks lie gridDim.x * GROUPS_WARPS row blocks apart (words and scales), its outputs as many x 16
+        int streamed = 0;
+        while (streamed < GROUPS_ROW_BLOCKS &&
+               (column_warp + streamed * (int)gridDim.x * GROUPS_WARPS) * warp_columns < out_columns)
+            ++streamed;
+        const unsigned long long stream_chunks = (unsigned long long)gridDim.x * GROUPS_WARPS * chunks;
+        const int stream_columns = (int)gridDim.x * GROUPS_WARPS * warp_columns;
+        const int count = streamed * (c_end - c_begin);
+#else
         const int count = c_end - c_begin;
+#endif
         const int start = c_begin + (GROUPS_ROTATE && count ? (int)(half_block * 37LL % count) : 0);
         const auto next_chunk = [&](int c) { return c + 1 == c_end ? c_begin : c + 1; };
+        // a walk's next chunk: wrapping within [c_begin, c_end); streamed, a wrap moves on to the next column block
+        const auto walk_on = [&](int& c, GroupsRows& at) {
+            c = next_chunk(c);
+#if GROUPS_ROW_STREAM
+            if (c == c_begin) {
+                at.w_lo += stream_chunks * 1024;
+                at.s_lo += stream_chunks * 128;
+            }
+#else
+            (void)at;
+#endif
+        };
         // the -136 operand and the bf16 magic, opaque to the compiler (which would otherwise rebuild the
         // constants before each use)
         unsigned neg136[4], magic = 0x43004300u;
@@ -519,6 +578,28 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             for (int p = 0; p < GROUPS_PAIRS; ++p)
     #pragma unroll
                 for (int v = 0; v < 4; ++v) acc[p][v] = 0.f;
+            // the pass's rows of output columns `at` .. at + warp_columns - 1 from acc: lane (g, t) holds rows g (acc 0,
+            // 1: groups 2t', 2t'+1) and g + 8 (acc 2, 3) of token 2p + (t >= 2); the two lanes t', t' ^ 1 of a token
+            // hold its four group parities
+            const auto store = [&](int at) {
+    #pragma unroll
+                for (int p = 0; p < GROUPS_PAIRS; ++p) {
+                    float row_g = acc[p][0] + acc[p][1], row_g8 = acc[p][2] + acc[p][3];
+                    row_g += __shfl_xor_sync(0xFFFFFFFFu, row_g, 1);
+                    row_g8 += __shfl_xor_sync(0xFFFFFFFFu, row_g8, 1);
+                    const int r = 2 * p + (t >> 1);
+                    if ((t & 1) == 0 && r < rows) {
+                        bf16* o = out + (long long)(pass + r) * out_columns + at + g;
+#if GROUPS_FUSE_SILU  // elementwise.cu's silu_mul on the bf16-rounded gate and up: the unfused pair's bits
+                        const float gate = round_bf16(row_g), up = round_bf16(row_g8);
+                        o[0] = __float2bfloat16_rn(round_bf16(gate / (1.f + __expf(-gate))) * up);
+#else
+                        o[0] = __float2bfloat16_rn(row_g);
+                        o[8] = __float2bfloat16_rn(row_g8);
+#endif
+                    }
+                }
+            };
 #if GROUPS_STAGES
             __shared__ __align__(16) unsigned char groups_ring[GROUPS_WARPS][GROUPS_STAGES][GROUPS_STAGE_BYTES];
             unsigned char(*ring)[GROUPS_STAGE_BYTES] = groups_ring[warp];
@@ -549,13 +630,39 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             }
 #else
             GroupsChunk ring[GROUPS_DEPTH];
-            int load_chunk = start;  // the next chunk the ring loads
+            int load_chunk = start;  // the next chunk the ring loads (of the column block at load_rows)
+            GroupsRows load_rows = rows_of_warp;
+#if GROUPS_L2_PREFETCH  // the L2 prefetch's own walk, GROUPS_L2_PREFETCH chunks ahead of the ring's loads: from the
+            // chunk after the ring's first GROUPS_DEPTH - 1 (loaded at once)
+            int prefetch_chunk = start, prefetch_left = count;
+            GroupsRows prefetch_rows = rows_of_warp;
+            const auto prefetch_next = [&]() {
+                if (prefetch_left > 0) {
+                    groups_prefetch_l2(prefetch_rows, prefetch_chunk);
+                    walk_on(prefetch_chunk, prefetch_rows);
+                    --prefetch_left;
+                }
+            };
+            for (int d = 0; d + 1 < GROUPS_DEPTH && prefetch_left > 0; ++d, --prefetch_left)
+                walk_on(prefetch_chunk, prefetch_rows);
+#endif
+            // the ring's next chunk (`ahead`: and the L2 prefetch's)
+            const auto load_next = [&](bool ahead) {
+                const GroupsChunk chunk = groups_load(load_rows, load_chunk);
+                walk_on(load_chunk, load_rows);
+#if GROUPS_L2_PREFETCH
+                if (ahead) prefetch_next();
+#else
+                (void)ahead;
+#endif
+                return chunk;
+            };
     #pragma unroll
             for (int d = 0; d + 1 < GROUPS_DEPTH; ++d)
-                if (d < count) {
-                    ring[d] = groups_load(rows_of_warp, load_chunk);
-                    load_chunk = next_chunk(load_chunk);
-                }
+                if (d < count) ring[d] = load_next(false);
+#if GROUPS_L2_PREFETCH  // then the next GROUPS_L2_PREFETCH chunks asked of L2 (in flight while the block stages)
+            for (int d = 0; d < GROUPS_L2_PREFETCH; ++d) prefetch_next();
+#endif
             if (!waited) {  // DECODE_PDL 2: the ring's first chunks are in flight
                 decode_pdl_wait();
                 decode_pdl_launch_dependents();
@@ -566,33 +673,47 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             groups_stage_pass(groups_xs, a, sorted_slots, top_k, pass, rows, chunks, K, token_of_lane, t, x_at, x_stride);
 #endif
             uint4 xv[2][GROUPS_PAIRS][GROUPS_X_WORDS];
+#if GROUPS_ROW_STREAM  // the chunks left of the column block being summed, and its first output column
+            int chunks_left = c_end - c_begin, stream_n0 = n0;
+#endif
+            // acc += a chunk; streamed, a column block's last chunk stores its rows and starts the next block's sums
+            const auto consume = [&](const GroupsChunk& chunk, const uint4 (&x)[GROUPS_PAIRS][GROUPS_X_WORDS]) {
+                groups_chunk(acc, chunk, x, neg136, magic);
+#if GROUPS_ROW_STREAM
+                if (--chunks_left == 0) {
+                    store(stream_n0);
+                    stream_n0 += stream_columns;
+                    chunks_left = c_end - c_begin;
+    #pragma unroll
+                    for (int p = 0; p < GROUPS_PAIRS; ++p)
+    #pragma unroll
+                        for (int v = 0; v < 4; ++v) acc[p][v] = 0.f;
+                }
+#endif
+            };
             groups_x_load(xv[0], x_at, x_stride, start);
             int x_chunk = next_chunk(start);  // the chunk whose activations load next
             int c0 = 0;
             for (; c0 + 2 * GROUPS_DEPTH - 1 <= count; c0 += GROUPS_DEPTH) {  // every load of the turn in range
     #pragma unroll
                 for (int d = 0; d < GROUPS_DEPTH; ++d) {
-                    ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(rows_of_warp, load_chunk);  // the slot used last
-                    load_chunk = next_chunk(load_chunk);
+                    ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = load_next(true);  // the slot used last
                     groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
                     x_chunk = next_chunk(x_chunk);
-                    groups_chunk(acc, ring[d], xv[d % 2], neg136, magic);
+                    consume(ring[d], xv[d % 2]);
                 }
             }
             for (; c0 < count; c0 += GROUPS_DEPTH) {  // the last turns (warp-uniform branches)
     #pragma unroll
                 for (int d = 0; d < GROUPS_DEPTH; ++d) {
                     const int c = c0 + d;
-                    if (c + GROUPS_DEPTH - 1 < count) {
-                        ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(rows_of_warp, load_chunk);
-                        load_chunk = next_chunk(load_chunk);
-                    }
+                    if (c + GROUPS_DEPTH - 1 < count) ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = load_next(true);
                     if (c < count) {
                         if (c + 1 < count) {
                             groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
                             x_chunk = next_chunk(x_chunk);
                         }
-                        groups_chunk(acc, ring[d], xv[d % 2], neg136, magic);
+                        consume(ring[d], xv[d % 2]);
                     }
                 }
             }
@@ -619,25 +740,9 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
 #elif GROUPS_XSMEM
             if (past_columns) continue;
 #endif
-            // lane (g, t): rows g (acc 0, 1: groups 2t', 2t'+1) and g + 8 (acc 2, 3) of token 2p + (t >= 2);
-            // the two lanes t', t' ^ 1 of a token hold its four group parities
-    #pragma unroll
-            for (int p = 0; p < GROUPS_PAIRS; ++p) {
-                float row_g = acc[p][0] + acc[p][1], row_g8 = acc[p][2] + acc[p][3];
-                row_g += __shfl_xor_sync(0xFFFFFFFFu, row_g, 1);
-                row_g8 += __shfl_xor_sync(0xFFFFFFFFu, row_g8, 1);
-                const int r = 2 * p + (t >> 1);
-                if ((t & 1) == 0 && r < rows) {
-                    bf16* o = out + (long long)(pass + r) * out_columns + n0 + g;
-#if GROUPS_FUSE_SILU  // elementwise.cu's silu_mul on the bf16-rounded gate and up: the unfused pair's bits
-                    const float gate = round_bf16(row_g), up = round_bf16(row_g8);
-                    o[0] = __float2bfloat16_rn(round_bf16(gate / (1.f + __expf(-gate))) * up);
-#else
-                    o[0] = __float2bfloat16_rn(row_g);
-                    o[8] = __float2bfloat16_rn(row_g8);
+#if !GROUPS_ROW_STREAM  // (streamed: each column block's rows stored as its last chunk was summed)
+            store(n0);
 #endif
-                }
-            }
         }
     }
 }

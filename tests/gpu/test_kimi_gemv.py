@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from openinfer import float32_to_bf16
+from openinfer import bf16_to_float32, float32_to_bf16
 from openinfer.quant import dequantize_int4_group, quantize_int4_group, untile_int4
 from tests.gpu.conftest import bf16_random, relative_error
+from tests.gpu.test_moe_grouped import _replayed  # a CUDA-graph replay on a stream of its own
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -43,7 +44,8 @@ GROUPED_KERNELS = [False, "moe_gemv", "wide", "wide_nc", "mma", "mma_nc", "mma_s
 LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "tiled1_nc_rot", "groups", "groups_d2",
                        "groups_norot_acc2", "groups_acc2", "groups_norot_acc4",
                        "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6",
-                       "groups_s8_k2", "groups_s8_p2", "groups_s8_p4", "groups_xs", "groups_xs_d2", "groups_xs1"]
+                       "groups_s8_k2", "groups_s8_p2", "groups_s8_p4", "groups_xs", "groups_xs_d2", "groups_xs1",
+                       "groups_xs_rs", "groups_xs_pf6", "groups_xs_pf12", "groups_xs_rs_pf6"]
 
 
 def _kernel_id(kernel) -> str:
@@ -307,7 +309,7 @@ def test_wide_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, monkeypat
 # --- the lane-groups layout (tile_int4(lane_groups=True), moe.cu INT4_TILED 2) and moe_int4.cu's GEMV ---
 
 
-@pytest.mark.parametrize("gemv_kernel", [None, "groups_norot", "groups_xs"])
+@pytest.mark.parametrize("gemv_kernel", [None, "groups_norot", "groups_xs", "groups_xs_rs_pf6"])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 64])
 def test_lane_groups_moe_forward_equals_rows(cuda_backend, cuda_moe, rng, monkeypatch, tokens, gemv_kernel):
     """moe_forward (routing, gate_up GEMV, SiLU·mul, down GEMV, weighted combine) with lane-groups experts:
@@ -347,7 +349,8 @@ def test_lane_groups_moe_forward_equals_rows(cuda_backend, cuda_moe, rng, monkey
 
 
 @pytest.mark.parametrize("gemv_kernel", ["groups", "groups_d2", "groups_d6", "groups_norot", "groups_s8", "groups_s8_k2",
-                                         "groups_xs", "groups_xs_d2", "groups_xs1"])
+                                         "groups_xs", "groups_xs_d2", "groups_xs1", "groups_xs_rs", "groups_xs_pf6",
+                                         "groups_xs_rs_pf6"])
 @pytest.mark.parametrize("tokens", [1, 2, 40])
 def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, monkeypatch, gemv_kernel, tokens):
     """OPENINFER_MOE_GEMV_SILU=1 with lane-groups gate_up: moe_gemv_int4_groups with SiLU·mul fused (each warp
@@ -413,6 +416,51 @@ def test_lane_groups_row_blocks_equal_one(cuda_backend, cuda_moe, rng, monkeypat
     assert moe.int4_row_blocks(112, 9, 4, "1") == 1 and moe.int4_row_blocks(3, 9, 4, "8") == 3
     with pytest.raises(ValueError, match="auto or a positive integer"):
         moe.int4_row_blocks(112, 9, 4, "two")
+
+
+@pytest.fixture(scope="module")
+def down_shaped_experts(cuda_backend):
+    """Eight lane-groups INT4 experts of N = 7136, K = 384 (see the test below) and their dequantized fp32, made once."""
+    from openinfer.backend.cuda import moe
+
+    rows_weight, reference = _int4_experts(np.random.default_rng(14), 8, 7136, 384)
+    return moe.tiled_int4(rows_weight, "lane_groups"), reference
+
+
+@pytest.mark.parametrize("gemv_kernel", ["groups_xs_rs", "groups_xs_rs_pf6", "groups_xs_rs_pf12", "groups_xs_pf6",
+                                         "groups_xs_pf12"])
+@pytest.mark.parametrize("row_blocks", [None, "3"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_lane_groups_row_stream_and_prefetch_equal_groups_xs(cuda_backend, cuda_moe, rng, monkeypatch,
+                                                             down_shaped_experts, gemv_kernel, row_blocks, tokens):
+    """groups_xs_rs (moe_int4.cu GROUPS_ROW_STREAM: a warp's column blocks walked as one chunk stream) and the
+    L2-prefetching forms (GROUPS_L2_PREFETCH) give groups_xs's bits (the same sums in the same order): eight experts
+    every token takes, N = 7136 (Kimi-K2's down rows less 32: 112 column blocks x 9 tile rows, the last block's last
+    two warps past N; unset, "auto" streams 2 column blocks a block on 132 SMs; "3": a grid of 38, blocks 0-34
+    stream three, 36-37 two, 35's warps three or two), K = 384 (three chunks: the walk crosses column blocks mid-ring); 3 tokens: passes of 2 and 1. And the
+    NumPy product, and a CUDA-graph replay's bits."""
+    moe = cuda_moe
+    num_experts, top_k, in_features = 8, 8, 384
+    weight, reference = down_shaped_experts
+    x_host = bf16_random(rng, tokens, in_features)
+    x = cuda_backend.upload(x_host)
+    ids = np.stack([rng.permutation(num_experts) for _ in range(tokens)]).astype(np.int32)
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    monkeypatch.delenv(moe.INT4_ROW_BLOCKS_ENV, raising=False)
+    want = cupy.asnumpy(moe.grouped_gemm(x, weight, grouping, gather=True, gemv=True, gemv_kernel="groups_xs"))
+    if row_blocks is not None:
+        monkeypatch.setenv(moe.INT4_ROW_BLOCKS_ENV, row_blocks)
+
+    def run():
+        return moe.grouped_gemm(x, weight, grouping, gather=True, gemv=True, gemv_kernel=gemv_kernel)
+
+    got = cupy.asnumpy(run())
+    assert np.array_equal(got, want)
+    slots = cupy.asnumpy(grouping.sorted_slots)
+    expected = np.stack([x_host[s // top_k] @ reference[ids.reshape(-1)[s]].T for s in slots])
+    assert relative_error(bf16_to_float32(got), expected) < BF16_TOL  # (got: the bf16 bits)
+    eager, replay = _replayed(run)
+    assert np.array_equal(eager, want) and np.array_equal(replay, want)
 
 
 @pytest.mark.parametrize("n,k", [(12288, 1536), (100, 264), (37, 7168), (40, 2056)])

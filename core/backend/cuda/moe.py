@@ -222,6 +222,20 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "groups_xs": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0},
     "groups_xs_d2": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_DEPTH": 2},
     "groups_xs1": {"GROUPS_XSMEM": 1, "GROUPS_ROTATE": 0},
+    # groups_xs with a warp's column blocks as one chunk stream (GROUPS_ROW_STREAM; R column blocks a block by
+    # INT4_ROW_BLOCKS_ENV, "auto" unless set): Kimi-K2's batch-1 down projection (112 column blocks x 8 tiles = 896
+    # blocks where 132 SMs hold 528: 1.7 waves of 16-chunk walks, each block staging its activations and filling its
+    # ring) runs as one wave of 448 blocks, each warp one walk of 32 chunks; gate_up (one wave) and the fused
+    # SiLU·mul form as groups_xs. Opt-in until measured.
+    "groups_xs_rs": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1},
+    # ... with the warp asking L2 for the chunk 6 / 12 past each one the register ring loads (GROUPS_L2_PREFETCH,
+    # prefetch.global.L2, 3 a lane a chunk: DRAM reads in flight beyond the ring's 3 chunks a warp, from the block's
+    # start on, while it stages its activations); sm_90 ptxas 127 / 122 registers (pf / rs_pf), no spills. Opt-in
+    # until measured.
+    "groups_xs_pf6": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_L2_PREFETCH": 6},
+    "groups_xs_pf12": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_L2_PREFETCH": 12},
+    "groups_xs_rs_pf6": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1, "GROUPS_L2_PREFETCH": 6},
+    "groups_xs_rs_pf12": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1, "GROUPS_L2_PREFETCH": 12},
     # (Read at their mma, GROUPS_XSMEM_AT_USE: 93 / 80 registers, 5 / 6 blocks an SM; slower in s13 D3: gate_up / down
     # 38.9 / 24.9 and, ring of 2, 42.4 / 27.0 us vs 37.8 / 24.0; deleted.)
     # (Without the chunk walk's wrap test when unrotated, GROUPS_LINEAR_WALK, 97 -> 90 SASS instructions per KB: within
@@ -608,9 +622,13 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
         if weight.layout == "lane_groups":
             columns = MMA_GEMV_WARPS // defines.get("GROUPS_KSPLIT", 1) * MMA_GEMV_COLUMNS  # moe_int4.cu GROUPS_WARPS x 16
             column_blocks = -(-weight.out_features // columns)
-            row_blocks = int4_row_blocks(column_blocks, grid_rows or 1, defines.get("GROUPS_MIN_BLOCKS", 4))
+            streamed = defines.get("GROUPS_ROW_STREAM", 0)  # its row blocks "auto" unless INT4_ROW_BLOCKS_ENV says
+            row_blocks = int4_row_blocks(column_blocks, grid_rows or 1, defines.get("GROUPS_MIN_BLOCKS", 4),
+                                         "auto" if streamed and not os.environ.get(INT4_ROW_BLOCKS_ENV) else None)
             if row_blocks > 1:
                 defines = {**defines, "GROUPS_ROW_BLOCKS": row_blocks}
+            elif streamed:  # one column block a block: the unstreamed kernel
+                defines = {k: v for k, v in defines.items() if k != "GROUPS_ROW_STREAM"}
             _launch_groups((-(-column_blocks // row_blocks), grid_rows or 1), args, defines, weight.in_features,
                            pdl_mode=2 if tables_ready and PDL_WEIGHTS_FIRST else 1)
             return
@@ -1276,7 +1294,8 @@ def gate_up_silu_gemv(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGr
             raise ValueError(f"the decode GEMV {name!r} reads lane-groups INT4 weights; this gate_up's layout is "
                              f"{gate_up.layout!r}")
         columns = MMA_GEMV_WARPS // defines.get("GROUPS_KSPLIT", 1) * 8
-        _launch_groups((-(-inter // columns), grouping.max_tiles), args, {**defines, "GROUPS_FUSE_SILU": 1},
+        fused = {k: v for k, v in defines.items() if k != "GROUPS_ROW_STREAM"}  # one column block a block
+        _launch_groups((-(-inter // columns), grouping.max_tiles), args, {**fused, "GROUPS_FUSE_SILU": 1},
                        gate_up.in_features)
     elif name in TILED_GEMVS:
         columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
