@@ -56,8 +56,10 @@ class DeviceMoE:
     tid2eid: np.ndarray | None = None
 
 
-def stand_in_moe_module() -> types.ModuleType:
+def stand_in_moe_modules() -> tuple[types.ModuleType, types.ModuleType]:
+    """Stand-ins of ``openinfer.backend.cuda.moe`` (expert GEMMs, combine) and ``.moe_routing`` (route, grouping)."""
     module = types.ModuleType("openinfer.backend.cuda.moe")
+    routing = types.ModuleType("openinfer.backend.cuda.moe_routing")
 
     def route_on_device(x, gate, spec, correction_bias, token_ids=None, tid2eid=None):
         weights, ids = route(router_logits(x, gate, NumpyBackend()), spec, correction_bias, token_ids, tid2eid)
@@ -96,20 +98,20 @@ def stand_in_moe_module() -> types.ModuleType:
         out = np.einsum("tk,tkh->th", grouping.weights, picked).astype(np.float32)
         return out if shared is None else out + shared
 
-    module.route, module.group_by_expert, module.grouped_gemm, module.combine = (
-        route_on_device, group_by_expert, grouped_gemm, combine)
-    module.ExpertGroupingDevice, module.DeviceMoE, module.ExpertLinear = Grouping, DeviceMoE, Stacked
+    routing.route, routing.group_by_expert, routing.ExpertGroupingDevice = route_on_device, group_by_expert, Grouping
+    module.grouped_gemm, module.combine, module.DeviceMoE, module.ExpertLinear = grouped_gemm, combine, DeviceMoE, Stacked
     module.quantized_linear = None  # the shared experts here are plain linears
-    return module
+    return module, routing
 
 
 @pytest.fixture
 def expert_cuda(monkeypatch):
     package = types.ModuleType("openinfer.backend.cuda")
-    package.moe = stand_in_moe_module()
+    package.moe, package.moe_routing = stand_in_moe_modules()
     monkeypatch.setitem(sys.modules, "cupy", np)
     monkeypatch.setitem(sys.modules, "openinfer.backend.cuda", package)
     monkeypatch.setitem(sys.modules, "openinfer.backend.cuda.moe", package.moe)
+    monkeypatch.setitem(sys.modules, "openinfer.backend.cuda.moe_routing", package.moe_routing)
     monkeypatch.delitem(sys.modules, "openinfer.parallel.expert_cuda", raising=False)
     module = importlib.import_module("openinfer.parallel.expert_cuda")
     yield module
