@@ -226,12 +226,13 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # INT4_ROW_BLOCKS_ENV, "auto" unless set): Kimi-K2's batch-1 down projection (112 column blocks x 8 tiles = 896
     # blocks where 132 SMs hold 528: 1.7 waves of 16-chunk walks, each block staging its activations and filling its
     # ring) runs as one wave of 448 blocks, each warp one walk of 32 chunks; gate_up (one wave) and the fused
-    # SiLU·mul form as groups_xs. Opt-in until measured.
+    # SiLU·mul form as groups_xs. LANE_GROUPS_ONE_TOKEN since s15 D1.
     "groups_xs_rs": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1},
     # ... with the warp asking L2 for the chunk 6 / 12 past each one the register ring loads (GROUPS_L2_PREFETCH,
     # prefetch.global.L2, 3 a lane a chunk: DRAM reads in flight beyond the ring's 3 chunks a warp, from the block's
-    # start on, while it stages its activations); sm_90 ptxas 127 / 122 registers (pf / rs_pf), no spills. Opt-in
-    # until measured.
+    # start on, while it stages its activations); sm_90 ptxas 127 / 122 registers (pf / rs_pf), no spills. Slower:
+    # s15 D1 (H200, Kimi-K2 layer b1, graph, alternated; results/kimi_layer_b1_s15d1_h200.json) 184.8 / 184.7 (pf6),
+    # 187.0 / 187.3 (pf12), 182.5 / 182.1 (rs_pf6), 183.9 / 183.9 us (rs_pf12) vs groups_xs_rs 173.1 / 172.7.
     "groups_xs_pf6": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_L2_PREFETCH": 6},
     "groups_xs_pf12": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_L2_PREFETCH": 12},
     "groups_xs_rs_pf6": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1, "GROUPS_L2_PREFETCH": 6},
@@ -279,7 +280,10 @@ LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_xs"), (3, "gr
 # graph timeline 43.6 + 25.9 -> 39.1 + 22.9 us (groups_xs1, the same kernel for one-row tiles), span 197.8 -> 190.3 us.
 # Confirmed in s13 D3 (results/kimi_layer_b1_int4_s13d3_h200.json, alternated): layer b1 spans 187.7 / 187.4 vs
 # groups_norot's 195.5 / 194.8 us, int4 GEMVs 38.8 + 22.7 vs 43.2 + 25.6.
-LANE_GROUPS_ONE_TOKEN: str | None = "groups_xs"
+# groups_xs_rs since s15 D1 (H200, results/kimi_layer_b1_s15d1_h200.json, one process, alternated A B ... B A): layer
+# b1 graph 173.1 / 172.7 vs groups_xs' 174.6 / 174.8 us; the down projection alone 23.3 / 23.3 vs 24.4 / 24.5 us (one
+# wave of 448 blocks instead of 1.7 waves of 896), gate_up alike (40.8 / 39.9 vs 40.4 / 40.2).
+LANE_GROUPS_ONE_TOKEN: str | None = "groups_xs_rs"
 # ... and for gate_up with SiLU·mul fused (gemv_silu_kernel; a batch-1 step's gate_up): None, the same
 LANE_GROUPS_ONE_TOKEN_FUSED: str | None = None
 # OPENINFER_INT4_ROW_BLOCKS (moe_int4.cu GROUPS_ROW_BLOCKS): each block of moe_gemv_int4_groups takes R column
