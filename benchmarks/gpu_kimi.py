@@ -1149,6 +1149,8 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
                       "($OPENINFER_L2_WEIGHT_PREFETCH_MB=32; the layer bench only)",
     "oproj_prefetch16": "oproj_prefetch of 16 MB",
     "oproj_prefetch48": "oproj_prefetch of 48 MB",
+    "gemv_cols2": "gemv_m1's warps own 2 columns each ($OPENINFER_GEMV_M1_COLS=2)",
+    "gemv_cols4": "gemv_m1's warps own 4 columns each ($OPENINFER_GEMV_M1_COLS=4)",
     "absorb_small": "W_UK as mla_absorb_small instead of cuBLAS's batched GEMM ($OPENINFER_MLA_ABSORB_SMALL=1)",
     "expand_small": "W_UV as mla_expand_small instead of cuBLAS's batched GEMM ($OPENINFER_MLA_EXPAND_SMALL=1)",
     "decode_pdl": "programmatic dependent launch of the one-row GEMVs, decode routers and lane-groups INT4 GEMV "
@@ -1279,6 +1281,7 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "oproj_prefetch": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "32"),
                 "oproj_prefetch16": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "16"),
                 "oproj_prefetch48": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "48"),
+                "gemv_cols2": (cuda_linear.GEMV_M1_COLS_ENV, "2"), "gemv_cols4": (cuda_linear.GEMV_M1_COLS_ENV, "4"),
                 "absorb_small": (cuda_mla.ABSORB_SMALL_ENV, "1"), "expand_small": (cuda_mla.EXPAND_SMALL_ENV, "1"),
                 "decode_pdl": ("OPENINFER_DECODE_PDL", "1"),
                 "gemv_pdl": (cuda_linear.GEMV_PDL_ENV, "1"), "mla_pdl": (cuda_mla.PDL_ENV, "1"),

@@ -185,8 +185,15 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
 #else
 #define GEMV_M1_BOUNDS __launch_bounds__(WARPS_PER_BLOCK * 32)
 #endif
+// GEMV_M1_COLS (core's $OPENINFER_GEMV_M1_COLS; 1 unless set): the columns a warp of gemv_m1 owns, its passes
+// GEMV_M1_UNROLL / GEMV_M1_COLS steps long (the same 8 weight words in flight a lane, the same registers): a grid
+// GEMV_M1_COLS times narrower (Kimi-K2's q_b, K = 1536: 1,536 blocks in 2.3 waves of 5 an SM -> 768), each warp's x
+// chunk reused for its columns. Each column's sum keeps its order: the same bits.
+#ifndef GEMV_M1_COLS
+#define GEMV_M1_COLS 1
+#endif
 extern "C" __global__ void GEMV_M1_BOUNDS gemv_m1(GEMV_ARGS) {
-    gemv_tile<1, 1, GEMV_M1_UNROLL, DECODE_PDL != 0>(x, w, bias, y, M, N, K, blockIdx.x);
+    gemv_tile<1, GEMV_M1_COLS, GEMV_M1_UNROLL / GEMV_M1_COLS, DECODE_PDL != 0>(x, w, bias, y, M, N, K, blockIdx.x);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m2(GEMV_ARGS) {

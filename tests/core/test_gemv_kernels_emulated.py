@@ -95,3 +95,34 @@ def test_pdl_build_gives_the_plain_bits(harness_by_pdl, tmp_path, k, n):
     scaled = read_array(tmp_path / "pdl1", "rms_scaled", np.uint16, (n,))
     want = (x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6) * norm) @ w.T
     assert np.allclose(scaled, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.fixture(scope="module")
+def harness_by_columns(tmp_path_factory) -> dict[int, Path]:
+    """The harness with gemv_m1's warps owning 1, 2 or 4 columns (core's $OPENINFER_GEMV_M1_COLS)."""
+    return {cols: compile_harness(HARNESS, REPO / "core" / "kernels", tmp_path_factory.mktemp(f"gemv_cols{cols}") /
+                                  "harness", {"GEMV_M1_COLS": cols}) for cols in (1, 2, 4)}
+
+
+# 61 / 21: a last tile whose warps own columns past N; 1536: Kimi-K2's q_b row (less than a pass of 8 steps, more
+# than one of 4); 4352: two 8-step passes and a step; 7168: Kimi-K2's qkv_a / shared-expert row
+@pytest.mark.parametrize("k,n", [(128, 40), (1000, 61), (1536, 24), (4352, 21), (7168, 48)])
+def test_gemv_m1_columns_a_warp_give_the_same_bits(harness_by_columns, tmp_path, k, n):
+    """gemv_m1 with 2 or 4 columns a warp (a narrower grid, shorter passes) gives the 1-column build's bits (each
+    column's lanes sum their k in the same order), and those match NumPy."""
+    rng = np.random.default_rng(k * n)
+    x = bf16(rng.standard_normal(k))
+    w = bf16(0.05 * rng.standard_normal((n, k)))
+    outputs = {}
+    for cols, binary in harness_by_columns.items():
+        folder = tmp_path / f"cols{cols}"
+        folder.mkdir()
+        run_harness(binary, folder, params=np.array([k, n, norm_threads(k), 0, 1, 1, 1], np.int32),
+                    x=float32_to_bf16(x), residual=float32_to_bf16(x), norm=float32_to_bf16(np.ones(k, np.float32)),
+                    gate_up=float32_to_bf16(np.concatenate([x, x])), w=float32_to_bf16(w))
+        outputs[cols] = np.fromfile(folder / "gemv_m1.bin", np.uint16)[:n]
+    assert np.array_equal(outputs[2], outputs[1])
+    assert np.array_equal(outputs[4], outputs[1])
+    ref = NumpyBackend()
+    got = read_array(tmp_path / "cols2", "gemv_m1", np.uint16, (n,))
+    assert np.allclose(got, ref.linear(x[None], ref.linear_weight(w, None))[0], rtol=2e-2, atol=2e-2)

@@ -24,6 +24,11 @@ from openinfer.backend.cuda.row_buckets import padded_rows
 GEMV_MAX_ROWS = 1  # measured on H200: gemv_m2..m8 lose to cuBLAS (bs 2-8 decode 4.3-10.7 ms vs 4.3)
 GEMV_WARPS_PER_BLOCK = 8
 GEMV_COLUMNS_PER_WARP = {1: 1, 2: 2, 4: 4, 8: 4}  # per kernel gemv_m{rows}, as in gemv.cu
+# $OPENINFER_GEMV_M1_COLS (1, 2 or 4; unset: DEFAULT_GEMV_M1_COLS; another value: a clear error): the columns each
+# warp of gemv_m1 owns (gemv.cu GEMV_M1_COLS: a grid that many times narrower, passes that many times shorter, the
+# same loads in flight and the same bits). Opt-in until measured.
+GEMV_M1_COLS_ENV = "OPENINFER_GEMV_M1_COLS"
+DEFAULT_GEMV_M1_COLS = 1
 NULL = np.uint64(0)
 # "1": the o_proj and down GEMMs add their product into the residual stream in place (cuBLAS
 # beta = 1), and the next norm is a plain rms_norm of it instead of add_rms_norm(x, residual): the
@@ -108,6 +113,16 @@ def launch_decode(source: str, name: str, grid, block, args: tuple, shared_mem: 
         kernel(source, name, **defines)(grid, block, args, shared_mem=shared_mem)
 
 
+def gemv_m1_columns() -> int:
+    """$OPENINFER_GEMV_M1_COLS as an int (see GEMV_M1_COLS_ENV)."""
+    text = os.environ.get(GEMV_M1_COLS_ENV, "").strip()
+    if text == "":
+        return DEFAULT_GEMV_M1_COLS
+    if text not in ("1", "2", "4"):
+        raise ValueError(f"{GEMV_M1_COLS_ENV} must be 1, 2 or 4 (the columns a warp of gemv_m1 owns), got {text!r}")
+    return int(text)
+
+
 def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
     """``out = x @ W^T (+ bias)`` through gemv.cu, for at most 8 rows and in_features % 8 == 0."""
     m, k = x.shape
@@ -118,7 +133,10 @@ def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
     bias = layer.bias if layer.bias is not None else NULL
     args = (x, layer.weight, bias, out, np.int32(m), np.int32(n), np.int32(k))
     if rows == 1:
-        launch_decode("gemv.cu", "gemv_m1", (grid,), (GEMV_WARPS_PER_BLOCK * 32,), args, pdl=gemv_pdl())
+        cols = gemv_m1_columns()  # the default build defines nothing more: its kernel and cache entry as before
+        grid = -(-n // (GEMV_WARPS_PER_BLOCK * cols))
+        launch_decode("gemv.cu", "gemv_m1", (grid,), (GEMV_WARPS_PER_BLOCK * 32,), args, pdl=gemv_pdl(),
+                      **({} if cols == 1 else {"GEMV_M1_COLS": cols}))
         return
     kernel("gemv.cu", f"gemv_m{rows}")((grid,), (GEMV_WARPS_PER_BLOCK * 32,), args)
 

@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
     auto gate_up = load<bf16>(dir, "gate_up.bin");      // [2K]
     auto w = load<bf16>(dir, "w.bin");                  // [N, K]
     const int tiles = (N + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
+    const int m1_tiles = (N + WARPS_PER_BLOCK * GEMV_M1_COLS - 1) / (WARPS_PER_BLOCK * GEMV_M1_COLS);  // gemv_m1's grid
     const unsigned threads = WARPS_PER_BLOCK * 32;
     const bf16* res = with_residual ? residual.data() : nullptr;
 
@@ -29,14 +30,14 @@ int main(int argc, char** argv) {
         launch(1, 1, 1, norm_threads, [&] { add_rms_norm(x.data(), res, norm.data(), h.data(), residual_sum.data(), K, eps); });
     else
         launch(1, 1, 1, norm_threads, [&] { rms_norm(x.data(), norm.data(), h.data(), K, eps); });
-    launch(tiles, 1, 1, threads, [&] { gemv_m1(h.data(), w.data(), nullptr, y_norm.data(), 1, N, K); });
+    launch(m1_tiles, 1, 1, threads, [&] { gemv_m1(h.data(), w.data(), nullptr, y_norm.data(), 1, N, K); });
     launch(1, 1, 1, 64, [&] { silu_mul(gate_up.data(), act.data(), 1, K); });
-    launch(tiles, 1, 1, threads, [&] { gemv_m1(act.data(), w.data(), nullptr, y_silu.data(), 1, N, K); });
+    launch(m1_tiles, 1, 1, threads, [&] { gemv_m1(act.data(), w.data(), nullptr, y_silu.data(), 1, N, K); });
     save(dir, "unfused_norm.bin", y_norm);
     save(dir, "unfused_residual.bin", with_residual ? residual_sum : x);
     save(dir, "unfused_silu.bin", y_silu);
     std::vector<bf16> y_plain(N), y_scaled(N);
-    launch(tiles, 1, 1, threads, [&] { gemv_m1(x.data(), w.data(), nullptr, y_plain.data(), 1, N, K); });
+    launch(m1_tiles, 1, 1, threads, [&] { gemv_m1(x.data(), w.data(), nullptr, y_plain.data(), 1, N, K); });
     launch(tiles, 1, 1, threads, [&] {
         gemv_m1_rms_scaled(x.data(), norm.data(), eps, w.data(), nullptr, y_scaled.data(), N, K);
     });
