@@ -40,7 +40,7 @@ SHAPES: dict[str, list[tuple[str, int, int, str]]] = {
                   ("shared gate_up", 5632, 2048, "plain"), ("shared silu+down", 2048, 2816, "silu"),
                   ("dense silu+down", 2048, 11264, "silu"), ("lm_head", 163840, 2048, "plain")],
     "qwen3": [("qkv", 6144, 2560, "norm"), ("o_proj", 2560, 4096, "plain"), ("gate_up", 19456, 2560, "norm"),
-              ("silu+down", 2560, 9728, "silu")],
+              ("silu+down", 2560, 9728, "silu"), ("lm_head", 151936, 2560, "plain")],
 }
 # (gemv_m1_cols / gemv_m1_ksplit / gemv_m1_deep, slower at every Kimi-K2 shape in 2026-11-24's D2 and s12's D2b, are
 # gone: dense_gemv_int4d_d2_h200.json, kimi_layer_b1_kimi13_d2b; so is gemv_m1_pipelined, the next pass's loads in
@@ -49,7 +49,10 @@ SHAPES: dict[str, list[tuple[str, int, int, str]]] = {
 # default: each lane's k in order)
 VARIANTS = {"batched_tail": {"GEMV_BATCHED_TAIL": 1}, "serial_tail": {"GEMV_BATCHED_TAIL": 0},
             "unroll4": {"GEMV_BATCHED_TAIL": 1, "GEMV_M1_UNROLL": 4}, "unroll6": {"GEMV_BATCHED_TAIL": 1, "GEMV_M1_UNROLL": 6},
-            "unroll12": {"GEMV_BATCHED_TAIL": 1, "GEMV_M1_UNROLL": 12}}
+            "unroll12": {"GEMV_BATCHED_TAIL": 1, "GEMV_M1_UNROLL": 12},
+            # gemv_m1's warps owning 2 / 4 columns (GEMV_M1_COLS, core's $OPENINFER_GEMV_M1_COLS; the fused kernels as
+            # batched_tail)
+            "cols2": {"GEMV_BATCHED_TAIL": 1, "GEMV_M1_COLS": 2}, "cols4": {"GEMV_BATCHED_TAIL": 1, "GEMV_M1_COLS": 4}}
 DEFAULT_VARIANTS = "batched_tail,serial_tail"
 CALLS = 16  # calls per timed graph
 MIN_ROTATION_BYTES = 256 << 20
@@ -66,7 +69,7 @@ def launcher(kind: str, n: int, k: int, defines: dict[str, int], num_sms: int):
     threads = (GEMV_WARPS_PER_BLOCK * 32,)
     if kind == "plain":
         fn = kernel("gemv.cu", "gemv_m1", **defines)
-        grid = (-(-n // GEMV_WARPS_PER_BLOCK),)
+        grid = (-(-n // (GEMV_WARPS_PER_BLOCK * defines.get("GEMV_M1_COLS", 1))),)
         return lambda x, w, out: fn(grid, threads, (x, w, null, out, np.int32(1), np.int32(n), np.int32(k)))
     norm = cupy.ones(k, cupy.uint16) * np.uint16(0x3F80)  # bf16 1.0
     if kind == "norm_scaled":
@@ -78,7 +81,7 @@ def launcher(kind: str, n: int, k: int, defines: dict[str, int], num_sms: int):
 
         backend = CudaBackend()
         fn = kernel("gemv.cu", "gemv_m1", **defines)
-        grid = (-(-n // GEMV_WARPS_PER_BLOCK),)
+        grid = (-(-n // (GEMV_WARPS_PER_BLOCK * defines.get("GEMV_M1_COLS", 1))),)
         return lambda x, w, out: fn(grid, threads, (backend.rms_norm(x, norm, 1e-6), w, null, out, np.int32(1),
                                                     np.int32(n), np.int32(k)))
     grid = (fused_grid(n, num_sms, FUSED_LAUNCH.blocks_per_sm),)

@@ -28,11 +28,14 @@ def test_gemv_m1_columns_give_the_one_column_bits(cuda_backend, rng, monkeypatch
     layer = cuda_backend.linear_weight(w, bias)
     dx = cuda_backend.upload(x)
     outputs = {}
-    for cols in ("1", "2", "4"):
+    for cols in ("1", "2", "4", "auto"):
         monkeypatch.setenv(linear.GEMV_M1_COLS_ENV, cols)
         outputs[cols] = cupy.asnumpy(cuda_backend.linear(dx, layer).view(cupy.uint16))
     assert np.array_equal(outputs["2"], outputs["1"])
     assert np.array_equal(outputs["4"], outputs["1"])
+    assert np.array_equal(outputs["auto"], outputs["1"])
+    want_cols = 2 if -(-n // linear.GEMV_WARPS_PER_BLOCK) > linear.GEMV_M1_BLOCKS_PER_SM * cuda_backend.num_sms else 1
+    assert linear.gemv_m1_columns(n) == want_cols
     got = cuda_backend.to_host(cuda_backend.linear(dx, layer))
     want = REF.linear(x, REF.linear_weight(w, bias))
     assert relative_error(got, want) < 1e-2

@@ -24,11 +24,17 @@ from openinfer.backend.cuda.row_buckets import padded_rows
 GEMV_MAX_ROWS = 1  # measured on H200: gemv_m2..m8 lose to cuBLAS (bs 2-8 decode 4.3-10.7 ms vs 4.3)
 GEMV_WARPS_PER_BLOCK = 8
 GEMV_COLUMNS_PER_WARP = {1: 1, 2: 2, 4: 4, 8: 4}  # per kernel gemv_m{rows}, as in gemv.cu
-# $OPENINFER_GEMV_M1_COLS (1, 2 or 4; unset: DEFAULT_GEMV_M1_COLS; another value: a clear error): the columns each
-# warp of gemv_m1 owns (gemv.cu GEMV_M1_COLS: a grid that many times narrower, passes that many times shorter, the
-# same loads in flight and the same bits). Opt-in until measured.
+# $OPENINFER_GEMV_M1_COLS (auto, 1, 2 or 4; unset: DEFAULT_GEMV_M1_COLS; another value: a clear error): the columns
+# each warp of gemv_m1 owns (gemv.cu GEMV_M1_COLS: a grid that many times narrower, passes that many times shorter,
+# the same loads in flight and the same bits). "auto": 2 where one column a warp takes more than a wave of resident
+# blocks (GEMV_M1_BLOCKS_PER_SM an SM), else 1: a second, partial wave of blocks pays each block's ramp again, and a
+# grid under a wave loses warps it needs in flight. s15 D4 (H200, Kimi-K2 layer b1 graph, alternated,
+# results/kimi_layer_b1_s15d4_h200.json): 2 everywhere 169.1 / 169.8 vs 176.2 / 174.8 us with 1 (o_proj, 896 blocks
+# -> 448: 33.5 -> 31.5 us alone; q_b, 1,536 -> 768: q_a_norm + q_b 18.0 -> 17.3) though qkv_a (264 -> 132 blocks)
+# went 10.9 -> 12.7 and the shared gate_up (512 -> 256) 16.9 -> 17.5; 4 everywhere 181.7 / 180.3.
 GEMV_M1_COLS_ENV = "OPENINFER_GEMV_M1_COLS"
-DEFAULT_GEMV_M1_COLS = 1
+DEFAULT_GEMV_M1_COLS = "auto"
+GEMV_M1_BLOCKS_PER_SM = 5  # gemv_m1 at 48 registers x 256 threads (sm_90a ptxas)
 NULL = np.uint64(0)
 # "1": the o_proj and down GEMMs add their product into the residual stream in place (cuBLAS
 # beta = 1), and the next norm is a plain rms_norm of it instead of add_rms_norm(x, residual): the
@@ -113,13 +119,21 @@ def launch_decode(source: str, name: str, grid, block, args: tuple, shared_mem: 
         kernel(source, name, **defines)(grid, block, args, shared_mem=shared_mem)
 
 
-def gemv_m1_columns() -> int:
-    """$OPENINFER_GEMV_M1_COLS as an int (see GEMV_M1_COLS_ENV)."""
-    text = os.environ.get(GEMV_M1_COLS_ENV, "").strip()
-    if text == "":
-        return DEFAULT_GEMV_M1_COLS
+@functools.cache
+def _multiprocessors(device: int) -> int:
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+def gemv_m1_columns(out_features: int) -> int:
+    """The columns a warp of gemv_m1 owns for ``out_features`` outputs: $OPENINFER_GEMV_M1_COLS (see
+    GEMV_M1_COLS_ENV; "auto": 2 where one column a warp takes more than a wave of blocks, else 1)."""
+    text = os.environ.get(GEMV_M1_COLS_ENV, "").strip().lower() or DEFAULT_GEMV_M1_COLS
+    if text == "auto":
+        wave = GEMV_M1_BLOCKS_PER_SM * _multiprocessors(cupy.cuda.Device().id)
+        return 2 if -(-out_features // GEMV_WARPS_PER_BLOCK) > wave else 1
     if text not in ("1", "2", "4"):
-        raise ValueError(f"{GEMV_M1_COLS_ENV} must be 1, 2 or 4 (the columns a warp of gemv_m1 owns), got {text!r}")
+        raise ValueError(f"{GEMV_M1_COLS_ENV} must be auto, 1, 2 or 4 (the columns a warp of gemv_m1 owns), "
+                         f"got {text!r}")
     return int(text)
 
 
@@ -133,7 +147,7 @@ def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
     bias = layer.bias if layer.bias is not None else NULL
     args = (x, layer.weight, bias, out, np.int32(m), np.int32(n), np.int32(k))
     if rows == 1:
-        cols = gemv_m1_columns()  # the default build defines nothing more: its kernel and cache entry as before
+        cols = gemv_m1_columns(n)  # a 1-column build defines nothing more: its kernel and cache entry as before
         grid = -(-n // (GEMV_WARPS_PER_BLOCK * cols))
         launch_decode("gemv.cu", "gemv_m1", (grid,), (GEMV_WARPS_PER_BLOCK * 32,), args, pdl=gemv_pdl(),
                       **({} if cols == 1 else {"GEMV_M1_COLS": cols}))
