@@ -31,7 +31,13 @@ GEMV_COLUMNS_PER_WARP = {1: 1, 2: 2, 4: 4, 8: 4}  # per kernel gemv_m{rows}, as 
 # grid under a wave loses warps it needs in flight. s15 D4 (H200, Kimi-K2 layer b1 graph, alternated,
 # results/kimi_layer_b1_s15d4_h200.json): 2 everywhere 169.1 / 169.8 vs 176.2 / 174.8 us with 1 (o_proj, 896 blocks
 # -> 448: 33.5 -> 31.5 us alone; q_b, 1,536 -> 768: q_a_norm + q_b 18.0 -> 17.3) though qkv_a (264 -> 132 blocks)
-# went 10.9 -> 12.7 and the shared gate_up (512 -> 256) 16.9 -> 17.5; 4 everywhere 181.7 / 180.3.
+# went 10.9 -> 12.7 and the shared gate_up (512 -> 256) 16.9 -> 17.5; 4 everywhere 181.7 / 180.3. D5 (the same,
+# three alternations, kimi_layer_b1_s15d5_h200.json): auto 172.1 / 172.1 / 171.5, 1 173.5 / 172.7 / 172.0, 2 169.6 /
+# 170.3 / 171.5 us (2 everywhere also thins the shared gate_up that runs beside the routing: the routing ends sooner).
+# Alone (graphs of 16 calls on rotating copies, dense_gemv_cols_s15d5_h200.json; 1 -> 2 columns): Kimi-K2 q_b 12.2 ->
+# 11.2, o_proj 29.2 -> 28.7, qkv_a 9.5 -> 11.4, shared gate_up 15.5 -> 16.3; Moonlight q+kv_a 5.6 -> 6.0, o_proj 4.1 ->
+# 4.9, shared gate_up 7.9 -> 7.6, lm_head 146.1 -> 146.9; Qwen3-4B o_proj 7.2 -> 8.4, lm_head 170.0 -> 169.4 us: where
+# "auto" picks 2 (more than a wave of blocks: q_b, o_proj, Moonlight's shared gate_up, the lm_heads) 2 wins or ties.
 GEMV_M1_COLS_ENV = "OPENINFER_GEMV_M1_COLS"
 DEFAULT_GEMV_M1_COLS = "auto"
 GEMV_M1_BLOCKS_PER_SM = 5  # gemv_m1 at 48 registers x 256 threads (sm_90a ptxas)
