@@ -1154,22 +1154,15 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "gemv_cols4": "gemv_m1's warps own 4 columns each ($OPENINFER_GEMV_M1_COLS=4)",
     "absorb_small": "W_UK as mla_absorb_small instead of cuBLAS's batched GEMM ($OPENINFER_MLA_ABSORB_SMALL=1)",
     "expand_small": "W_UV as mla_expand_small instead of cuBLAS's batched GEMM ($OPENINFER_MLA_EXPAND_SMALL=1)",
-    "decode_pdl": "programmatic dependent launch of the one-row GEMVs, decode routers and lane-groups INT4 GEMV "
-                  "($OPENINFER_DECODE_PDL=1)",
     "shared_after_route": "the shared expert's side stream forked after the routing ($OPENINFER_MOE_SHARED_AFTER_ROUTE=1)",
     "route_before_shared": "the routing launched before the shared experts ($OPENINFER_MOE_ROUTE_BEFORE_SHARED=1)",
-    "gemv_pdl": "programmatic dependent launch of the one-row dense GEMVs, weights loaded before the wait "
-                "($OPENINFER_GEMV_PDL=1)",
     "mla_pdl": "programmatic dependent launch of the MLA decode kernels ($OPENINFER_MLA_PDL=1)",
-    "mla_pdl_fused_write": "with mla_pdl: the attention kernel that writes the latent PDL-launched too "
-                           "($OPENINFER_MLA_PDL_FUSED_WRITE=1)",
     "route_decode": "a decode step's routing in one launch, moe_route_decode ($OPENINFER_MOE_ROUTE_DECODE=1)",
     "no_route_before_shared": "$OPENINFER_MOE_ROUTE_BEFORE_SHARED=0",
     "no_route_decode": "$OPENINFER_MOE_ROUTE_DECODE=0",
     # the switches above turned off (to time the defaults before a flip against them)
     "no_int4_row_blocks": "one column block per moe_gemv_int4_groups block ($OPENINFER_INT4_ROW_BLOCKS=1)",
     "no_rms_scaled": "q_a_norm + q_b as rms_norm then gemv_m1 ($OPENINFER_RMS_SCALED_GEMV=0)",
-    "no_decode_pdl": "plain launches of the decode GEMVs and routers ($OPENINFER_DECODE_PDL=0)",
     "no_shared_after_route": "the shared expert forked before the routing ($OPENINFER_MOE_SHARED_AFTER_ROUTE=0)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
@@ -1282,14 +1275,12 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "oproj_prefetch": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "32"),
                 "oproj_prefetch16": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "16"),
                 "oproj_prefetch48": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "48"),
-                "gemv_cols1": (cuda_linear.GEMV_M1_COLS_ENV, "1"), "gemv_cols2": (cuda_linear.GEMV_M1_COLS_ENV, "2"), "gemv_cols4": (cuda_linear.GEMV_M1_COLS_ENV, "4"),
+                "gemv_cols1": (cuda_linear.GEMV_M1_COLS_ENV, "1"), "gemv_cols2": (cuda_linear.GEMV_M1_COLS_ENV, "2"),
+                "gemv_cols4": (cuda_linear.GEMV_M1_COLS_ENV, "4"),
                 "absorb_small": (cuda_mla.ABSORB_SMALL_ENV, "1"), "expand_small": (cuda_mla.EXPAND_SMALL_ENV, "1"),
-                "decode_pdl": ("OPENINFER_DECODE_PDL", "1"),
-                "gemv_pdl": (cuda_linear.GEMV_PDL_ENV, "1"), "mla_pdl": (cuda_mla.PDL_ENV, "1"),
-                "mla_pdl_fused_write": (cuda_mla.PDL_FUSED_WRITE_ENV, "1"),
+                "mla_pdl": (cuda_mla.PDL_ENV, "1"),
                 "shared_after_route": (cuda_moe.SHARED_AFTER_ROUTE_ENV, "1"),
                 "no_int4_row_blocks": (cuda_moe.INT4_ROW_BLOCKS_ENV, "1"), "no_rms_scaled": ("OPENINFER_RMS_SCALED_GEMV", "0"),
-                "no_decode_pdl": ("OPENINFER_DECODE_PDL", "0"),
                 "no_shared_after_route": (cuda_moe.SHARED_AFTER_ROUTE_ENV, "0"),
                 "route_before_shared": ("OPENINFER_MOE_ROUTE_BEFORE_SHARED", "1"),
                 "route_decode": ("OPENINFER_MOE_ROUTE_DECODE", "1"),

@@ -6,7 +6,6 @@
 // order whatever M is, so a row's result does not depend on the other rows of the batch. K must be
 // a multiple of 8.
 #include "common.cuh"
-#include "decode_pdl.cuh"  // DECODE_PDL: gemv_m1 / gemv_m1_rms_scaled
 
 #define WARPS_PER_BLOCK 8
 #ifndef GEMV_BATCHED_TAIL
@@ -31,8 +30,7 @@ __device__ __forceinline__ void words_to_floats8(const uint4& u, float* f) {
 }
 
 // A pass of UNROLL 16-byte steps from k (those below K) of each weight row: the raw words, loaded (few registers).
-// EARLY: the pass before decode_pdl_wait, by decode_pdl_load_early (the loads stay ahead of the wait in SASS).
-template <int COLS, int UNROLL, bool EARLY = false>
+template <int COLS, int UNROLL>
 __device__ __forceinline__ void gemv_raw_issue(const bf16* const (&wrow)[COLS], uint4 (&raw)[UNROLL][COLS], int K,
                                                int k) {
     constexpr int STEP = 32 * 8;
@@ -41,8 +39,7 @@ __device__ __forceinline__ void gemv_raw_issue(const bf16* const (&wrow)[COLS], 
         if (k + u * STEP < K)
 #pragma unroll
             for (int c = 0; c < COLS; ++c)
-                raw[u][c] = EARLY ? decode_pdl_load_early(wrow[c] + k + u * STEP)
-                                  : *reinterpret_cast<const uint4*>(wrow[c] + k + u * STEP);
+                raw[u][c] = *reinterpret_cast<const uint4*>(wrow[c] + k + u * STEP);
 }
 
 // The pass's FMAs: each step's x (those below K) times its words, in k order.
@@ -70,22 +67,17 @@ __device__ __forceinline__ void gemv_raw_consume(const bf16* __restrict__ x, con
     }
 }
 
-// One pass: every weight word loaded first, then (WAIT: DECODE_PDL's decode_pdl_wait and launch_dependents) the FMAs.
-template <int ROWS, int COLS, int UNROLL, bool WAIT>
+// One pass: every weight word loaded first, then the FMAs.
+template <int ROWS, int COLS, int UNROLL>
 __device__ __forceinline__ void gemv_raw_pass(const bf16* __restrict__ x, const bf16* const (&wrow)[COLS],
                                               float (&acc)[ROWS][COLS], int M, int K, int k) {
     uint4 raw[UNROLL][COLS];
-    gemv_raw_issue<COLS, UNROLL, WAIT>(wrow, raw, K, k);
-    if constexpr (WAIT) {
-        decode_pdl_wait();
-        decode_pdl_launch_dependents();  // after the wait: a dependent may read what the kernel before wrote
-    }
+    gemv_raw_issue<COLS, UNROLL>(wrow, raw, K, k);
     gemv_raw_consume<ROWS, COLS, UNROLL>(x, raw, acc, M, K, k);
 }
 
 // Tile `tile` of the output: columns [tile * WARPS_PER_BLOCK * COLS, +WARPS_PER_BLOCK * COLS).
-// PDL (DECODE_PDL, gemv_m1): the first pass's weight loads issue before decode_pdl_wait (decode_pdl.cuh).
-template <int ROWS, int COLS, int UNROLL, bool PDL = false>
+template <int ROWS, int COLS, int UNROLL>
 __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                           const bf16* __restrict__ bias, bf16* __restrict__ y, int M,
                                           int N, int K, int tile) {
@@ -102,10 +94,6 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
         for (int c = 0; c < COLS; ++c) acc[r][c] = 0.f;
     constexpr int STEP = 32 * 8;
     int k = lane * 8;
-    if constexpr (PDL) {  // the first pass's weights (raw words: few registers) in flight, then the wait, then x
-        gemv_raw_pass<ROWS, COLS, UNROLL, true>(x, wrow, acc, M, K, k);
-        k += UNROLL * STEP;  // each lane's k still in increasing order: the bits of the plain kernel
-    }
     for (; k + (UNROLL - 1) * STEP < K; k += UNROLL * STEP) {
         float wf[UNROLL][COLS][8];
 #pragma unroll
@@ -131,7 +119,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
     // the last, partial pass (at most UNROLL - 1 steps): its loads too all in flight first (one step at a time left
     // short rows latency-bound: a q_b projection's K = 1536 is less than one pass, 6 loads in turn). Raw 16-byte
     // words, unpacked at use: few registers. Each lane still sums its k in increasing order: the same bits.
-    if (k < K) gemv_raw_pass<ROWS, COLS, (UNROLL > 1 ? UNROLL - 1 : 1), false>(x, wrow, acc, M, K, k);
+    if (k < K) gemv_raw_pass<ROWS, COLS, (UNROLL > 1 ? UNROLL - 1 : 1)>(x, wrow, acc, M, K, k);
 #else
     for (; k < K; k += STEP) {
         float wf[COLS][8];
@@ -177,14 +165,6 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
     const bf16 *__restrict__ x, const bf16 *__restrict__ w, const bf16 *__restrict__ bias,        \
         bf16 *__restrict__ y, int M, int N, int K
 
-// The DECODE_PDL build at the plain build's 48 registers, 5 blocks an SM (unbounded, its early loads took 54: 4 blocks,
-// o_proj's 896 blocks in 1.7 waves instead of 1.36); ptxas then keeps one word on the stack, stored and loaded once
-// before the wait.
-#if DECODE_PDL
-#define GEMV_M1_BOUNDS __launch_bounds__(WARPS_PER_BLOCK * 32, 5)
-#else
-#define GEMV_M1_BOUNDS __launch_bounds__(WARPS_PER_BLOCK * 32)
-#endif
 // GEMV_M1_COLS (core's $OPENINFER_GEMV_M1_COLS; 1 unless set): the columns a warp of gemv_m1 owns, its passes
 // GEMV_M1_UNROLL / GEMV_M1_COLS steps long (the same 8 weight words in flight a lane, the same registers): a grid
 // GEMV_M1_COLS times narrower (Kimi-K2's q_b, K = 1536: 1,536 blocks in 2.3 waves of 5 an SM -> 768), each warp's x
@@ -192,8 +172,8 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
 #ifndef GEMV_M1_COLS
 #define GEMV_M1_COLS 1
 #endif
-extern "C" __global__ void GEMV_M1_BOUNDS gemv_m1(GEMV_ARGS) {
-    gemv_tile<1, GEMV_M1_COLS, GEMV_M1_UNROLL / GEMV_M1_COLS, DECODE_PDL != 0>(x, w, bias, y, M, N, K, blockIdx.x);
+extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m1(GEMV_ARGS) {
+    gemv_tile<1, GEMV_M1_COLS, GEMV_M1_UNROLL / GEMV_M1_COLS>(x, w, bias, y, M, N, K, blockIdx.x);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m2(GEMV_ARGS) {
@@ -248,22 +228,10 @@ gemv_m1_rms_scaled(const bf16* __restrict__ x, const bf16* __restrict__ norm_wei
     const bf16* const wrow[1] = {w + (size_t)n * K};  // gemv_raw_issue's rows of one column
     constexpr int STEP = 32 * 8, UNROLL = RMS_SCALED_UNROLL;
     float acc = 0.f, ss = 0.f;
-    // DECODE_PDL: the first pass's weights in flight before the wait for x (decode_pdl.cuh). Every pass loads by
-    // decode_pdl_load_early there (one loop; a Kimi-K2 q_b row, K = 1536, is one pass anyway). At its 48 registers
-    // ptxas keeps 8 bytes of this build's loop state on the stack (one L1 load a pass); a peeled first pass spilled 52.
-    const int first = lane * 8;
-    for (int k0 = first; k0 < K; k0 += UNROLL * STEP) {
+    for (int k0 = lane * 8; k0 < K; k0 += UNROLL * STEP) {
         uint4 raw[UNROLL][1];
-        gemv_raw_issue<1, UNROLL, DECODE_PDL != 0>(wrow, raw, K, k0);
-        if (DECODE_PDL && k0 == first) {
-            decode_pdl_wait();
-            decode_pdl_launch_dependents();  // after the wait (see gemv_tile)
-        }
+        gemv_raw_issue<1, UNROLL>(wrow, raw, K, k0);
         rms_scaled_consume<UNROLL>(x, norm_weight, raw, acc, ss, K, k0);
-    }
-    if (DECODE_PDL && first >= K) {  // a lane past the row's end waits all the same
-        decode_pdl_wait();
-        decode_pdl_launch_dependents();
     }
     acc = warp_sum(acc);
     ss = warp_sum(ss);

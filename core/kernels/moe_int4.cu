@@ -27,7 +27,6 @@
 // takes the matching activations by two byte permutes of one 16-byte load.
 // Needs N % 16 == 0, K % 128 == 0 (the layout's shapes; the caller checks) and 16-byte aligned rows.
 #include "mma.cuh"
-#include "decode_pdl.cuh"  // DECODE_PDL: launched after the previous kernel (it waits before any read)
 
 #ifndef GROUPS_DEPTH
 #define GROUPS_DEPTH 4  // chunks per lane in a ring of registers: one multiplied, the rest loading
@@ -439,17 +438,6 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                      const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                      const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
                      bf16* __restrict__ out, int N, int K) {
-    // DECODE_PDL (decode_pdl.cuh): 1: wait at once (the tile list may come from the previous kernel: gate_up after
-    // the routing); 2 (the host's tables_ready: the down projection after gate_up): the tile list and the weights
-    // are older, so the first chunks' weights load before the wait, the activations after it. The next kernel may
-    // launch once every CTA is past its wait (so what it reads of earlier kernels is complete too).
-#if DECODE_PDL != 2 || GROUPS_STAGES
-    decode_pdl_wait();
-    decode_pdl_launch_dependents();
-    bool waited = true;
-#else
-    bool waited = false;
-#endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #if GROUPS_XSMEM
     GROUPS_DYNAMIC_SHARED(groups_xs);  // the pass's staged activations (groups_stage_activations)
@@ -663,11 +651,6 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
 #if GROUPS_L2_PREFETCH  // then the next GROUPS_L2_PREFETCH chunks asked of L2 (in flight while the block stages)
             for (int d = 0; d < GROUPS_L2_PREFETCH; ++d) prefetch_next();
 #endif
-            if (!waited) {  // DECODE_PDL 2: the ring's first chunks are in flight
-                decode_pdl_wait();
-                decode_pdl_launch_dependents();
-                waited = true;
-            }
             // the activations of the c-th chunk walked in xv[c % 2] (GROUPS_DEPTH even: a static index in the ring)
 #if GROUPS_XSMEM  // the pass's activations into shared memory (the ring's first chunks in flight meanwhile)
             groups_stage_pass(groups_xs, a, sorted_slots, top_k, pass, rows, chunks, K, token_of_lane, t, x_at, x_stride);

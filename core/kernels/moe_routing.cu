@@ -13,7 +13,6 @@
 // Needs hidden % 8 == 0 and 16-byte aligned rows for the router (the caller checks).
 #include "mma.cuh"
 #include "moe_route.cuh"  // route_score
-#include "decode_pdl.cuh"  // DECODE_PDL: the decode routers
 
 #ifndef ROUTER_STAGES
 #define ROUTER_STAGES 4
@@ -423,8 +422,6 @@ moe_route_sort(const float* __restrict__ logits, const float* __restrict__ bias 
     __shared__ int slot_expert[ROUTE_SORT_MAX_SLOTS];
     __shared__ int count[GROUP_MAX_EXPERTS];  // slots per expert, then each expert's next free row
     __shared__ int scratch[32];
-    decode_pdl_wait();  // everything it reads came from the previous kernel
-    decode_pdl_launch_dependents();
     route_sort_block(logits, bias, num_tokens, num_experts, top_k, scoring, norm_topk, scaling, ids, weights, offsets,
                      sorted_slots, slot_pos, tile_expert, tile_row, num_tiles, max_tiles, slot_expert, count, scratch);
 }

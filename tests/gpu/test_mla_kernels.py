@@ -542,46 +542,21 @@ def _decode_rows(name: str) -> tuple[list[int], list[int]]:
     return ([int(c) for c in np.arange(rows) * 37], [1] * rows) if rows else DECODES[name]
 
 
-# The step's q and latent rows written by a kernel that lets the next one launch at once
-# (griddepcontrol.launch_dependents first) and stores them only after LATE_SPIN clock cycles (~0.5 ms): a PDL-launched
-# kernel after it that read them before its griddepcontrol.wait (directly, or through mla_absorb_small, which triggers
-# at its top) would see the zeros they held before.
-_LATE_COPY = r"""
-extern "C" __global__ void late_copy(const unsigned short* latent_src, unsigned short* latent, long long latent_count,
-                                     const unsigned short* q_src, unsigned short* q, long long q_count,
-                                     long long spin) {
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-    const long long start = clock64();
-    while (clock64() - start < spin) {}
-    const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = first; i < latent_count; i += stride) latent[i] = latent_src[i];
-    for (long long i = first; i < q_count; i += stride) q[i] = q_src[i];
-}
-"""
-LATE_SPIN = 1 << 20
-
-
-def _stream_forward(cuda_backend, spec, step, device_cache, kernel, graph: bool, late: bool = False):
+def _stream_forward(cuda_backend, spec, step, device_cache, kernel, graph: bool):
     """``mla_forward`` of ``step`` on a non-blocking stream (where the PDL launches apply), eager or captured in a
-    CUDA graph and replayed on fresh inputs; the output on the host. ``late``: q and the latent rows start as zeros and
-    late_copy writes them right before the step (in the graph too; zeroed again before the replay)."""
+    CUDA graph and replayed on fresh inputs; the output on the host."""
     from openinfer.backend.cuda.mla import mla_forward
 
     batch, _, q, latent, norm, weights, rope = step[:7]
     args = (cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv), cuda_backend.weight(norm), spec,
             cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos), cupy.asarray(rope.sin), 1e-6)
     q_dev, latent_dev = cuda_backend.upload(q), cuda_backend.upload(latent)
-    late_copy = cupy.RawKernel(_LATE_COPY, "late_copy") if late else None
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        q_in = cupy.zeros_like(q_dev) if late else q_dev.copy()
-        latent_in = cupy.zeros_like(latent_dev) if late else latent_dev
+        q_in = q_dev.copy()
+        latent_in = latent_dev
 
         def forward():
-            if late:
-                late_copy((132,), (128,), (latent_dev, latent_in, np.int64(latent_in.size), q_dev, q_in,
-                                           np.int64(q_in.size), np.int64(LATE_SPIN)))
             return mla_forward(cuda_backend.blas, q_in, latent_in, device_cache, *args, absorbed_kernel=kernel)
 
         out = forward()
@@ -593,11 +568,7 @@ def _stream_forward(cuda_backend, spec, step, device_cache, kernel, graph: bool,
                 out = forward()
             finally:
                 captured = stream.end_capture()
-            if late:
-                q_in.fill(0)
-                latent_in.fill(0)
-            else:
-                q_in[...] = q_dev  # the step rotates q's rope dims in place: fresh inputs for the replay
+            q_in[...] = q_dev  # the step rotates q's rope dims in place: fresh inputs for the replay
             out[...] = 0
             captured.launch(stream)
         stream.synchronize()
@@ -644,9 +615,6 @@ def test_pdl_switch_and_launch_arguments(monkeypatch):
     monkeypatch.setenv(cuda_mla.PDL_ENV, "on")
     with pytest.raises(ValueError, match="OPENINFER_MLA_PDL"):
         cuda_mla.pdl()
-    monkeypatch.setenv(cuda_mla.PDL_FUSED_WRITE_ENV, "yes")
-    with pytest.raises(ValueError, match="OPENINFER_MLA_PDL_FUSED_WRITE"):
-        cuda_mla.pdl_fused_write()
     with pytest.raises(TypeError, match="NumPy"):
         kernel_argument(3)
     # the combine: flat up to 4 splits, wide past them, unless forced
@@ -775,37 +743,6 @@ def test_tma_fused_write_graph_replay_equals_eager(cuda_backend, rng, monkeypatc
     eager = _stream_forward(cuda_backend, spec, step, device_cache, "tma", graph=False)
     assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, "tma", graph=True), eager)
     assert relative_error(eager, step[7]) < BF16_TOL
-
-
-@pytest.mark.parametrize("heads", [16, 64])
-@pytest.mark.parametrize("decodes", ["ragged", "sixteen"])
-@pytest.mark.parametrize("early", ["0", "1"])
-@pytest.mark.parametrize("w_uk", ["small", "cublas"])
-def test_tma_fused_write_pdl_waits_for_late_inputs(cuda_backend, rng, monkeypatch, heads, decodes, early, w_uk):
-    """$OPENINFER_MLA_PDL=1 and $OPENINFER_MLA_PDL_FUSED_WRITE=1 with the folded latent write (mla_attention_tma
-    PDL-launched, its own tiles copied before the wait with early tiles): the step's kv_a and q written late by a
-    kernel that lets the next launch at once, W_UK by mla_absorb_small (PDL-launched, triggering at its top: the
-    attention then starts while the writer still runs) or cuBLAS; eager on a stream and as a replayed CUDA graph, the
-    plain launches' bits and within bf16 of NumPy."""
-    from openinfer.backend.cuda import mla as cuda_mla
-    from openinfer.backend.cuda import mla_decode_sm90
-
-    if not _hopper():
-        pytest.skip("the TMA decode kernel and griddepcontrol need compute capability 9.0")
-    monkeypatch.setenv(cuda_mla.FUSED_WRITE_ENV, "1")
-    monkeypatch.setenv(cuda_mla.PDL_FUSED_WRITE_ENV, "1")  # the fused-write kernel PDL-launched too (opt-in)
-    monkeypatch.setenv(cuda_mla.ABSORB_SMALL_ENV, "1" if w_uk == "small" else "0")
-    monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "0")
-    monkeypatch.setenv(mla_decode_sm90.EARLY_TILES_ENV, early)
-    spec = _spec(heads)
-    step = ragged_mla_step(rng, spec, *_decode_rows(decodes), BLOCK_SIZE)
-    device_cache = cuda_backend.upload(step[1]).reshape(step[1].shape[0], BLOCK_SIZE, 1, spec.latent_dim)
-    monkeypatch.setenv(cuda_mla.PDL_ENV, "0")
-    plain = _stream_forward(cuda_backend, spec, step, device_cache, "tma", graph=False, late=True)
-    assert relative_error(plain, step[7]) < BF16_TOL
-    monkeypatch.setenv(cuda_mla.PDL_ENV, "1")
-    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, "tma", graph=False, late=True), plain)
-    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, "tma", graph=True, late=True), plain)
 
 
 @pytest.mark.parametrize("heads", [16, 20, 64])

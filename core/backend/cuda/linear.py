@@ -18,7 +18,6 @@ import numpy as np
 
 from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.loader import kernel
-from openinfer.backend.cuda.pdl_launch import launch
 from openinfer.backend.cuda.row_buckets import padded_rows
 
 GEMV_MAX_ROWS = 1  # measured on H200: gemv_m2..m8 lose to cuBLAS (bs 2-8 decode 4.3-10.7 ms vs 4.3)
@@ -77,52 +76,12 @@ class CudaLinear:
         return int(self.weight.shape[1])
 
 
-# OPENINFER_DECODE_PDL=1 (opt-in until measured): the one-row GEMVs (gemv_m1, gemv_m1_rms_scaled), the decode
-# routers and the lane-groups INT4 GEMV are built with DECODE_PDL (kernels/decode_pdl.cuh) and launched with
-# programmatic dependent launch (pdl_launch): each lets the next kernel launch once its last CTA started, and
-# issues its weight loads before waiting for the previous kernel, so a weight stream starts in the previous
-# kernel's tail. The same bits either way.
-DECODE_PDL_ENV = "OPENINFER_DECODE_PDL"
-DEFAULT_DECODE_PDL = False
-
-
-def decode_pdl() -> bool:
-    """$OPENINFER_DECODE_PDL: 1 / 0 (unset: DEFAULT_DECODE_PDL); another value is a clear error."""
-    value = os.environ.get(DECODE_PDL_ENV, "").strip().lower()
-    if value not in ("", "0", "1", "true", "false", "on", "off"):
-        raise ValueError(f"{DECODE_PDL_ENV} must be 1 or 0, got {value!r}")
-    return DEFAULT_DECODE_PDL if value == "" else value in ("1", "true", "on")
-
-
-# OPENINFER_GEMV_PDL=1 (opt-in until measured): the same programmatic dependent launch for the one-row dense GEMVs
-# only (gemv_m1, gemv_m1_rms_scaled: Kimi-K2's qkv_a, q_b, o_proj and shared expert), not the routers or the INT4
-# GEMV (s12 D2: their CTAs parked beside the shared GEMVs, INT4 gate_up 42 -> 55 us). The GEMVs' first pass of
-# weight words issues before griddepcontrol.wait since s14 (decode_pdl_load_early: ptxas had scheduled the wait
-# above every weight load, so DECODE_PDL's GEMVs of s12 D2 loaded nothing early). 0 / unset: $OPENINFER_DECODE_PDL
-# decides, as before. The same bits either way.
-GEMV_PDL_ENV = "OPENINFER_GEMV_PDL"
-DEFAULT_GEMV_PDL = False
-
-
-def gemv_pdl() -> bool:
-    """Whether the one-row dense GEMVs launch with PDL: $OPENINFER_GEMV_PDL (1 / 0; unset: DEFAULT_GEMV_PDL; another
-    value: a clear error) or $OPENINFER_DECODE_PDL."""
-    value = os.environ.get(GEMV_PDL_ENV, "").strip().lower()
-    if value not in ("", "0", "1", "true", "false", "on", "off"):
-        raise ValueError(f"{GEMV_PDL_ENV} must be 1 or 0, got {value!r}")
-    return (DEFAULT_GEMV_PDL if value == "" else value in ("1", "true", "on")) or decode_pdl()
-
-
-def launch_decode(source: str, name: str, grid, block, args: tuple, shared_mem: int = 0, pdl_mode: int = 1,
-                  pdl: bool | None = None, **defines: int) -> None:
-    """``kernel(source, name, **defines)`` launched plainly, or built with DECODE_PDL = ``pdl_mode`` (2: the
-    kernel's mode for inputs written before the previous kernel, where it has one) and launched after the
-    previous kernel by programmatic dependent launch where ``pdl`` (None: ``decode_pdl``)."""
-    if decode_pdl() if pdl is None else pdl:
-        launch(kernel(source, name, **defines, DECODE_PDL=pdl_mode), grid, block, args, shared_mem=shared_mem,
-               after_previous=True)
-    else:
-        kernel(source, name, **defines)(grid, block, args, shared_mem=shared_mem)
+# Deleted after losing: OPENINFER_DECODE_PDL / OPENINFER_GEMV_PDL, programmatic dependent launch of the
+# one-row GEMVs (their first weight loads before griddepcontrol.wait), the decode routers and the lane-groups
+# INT4 GEMV. s15 D1 / D2 (H200, Kimi-K2 layer b1 graph, alternated; results/kimi_layer_b1_s15d1_h200.json,
+# kimi_layer_b1_s15d2_h200.json): gemv_pdl 191.7 / 193.1 us vs 174.6 / 174.8 (D1), decode_pdl 185.6 / 190.8 vs
+# 173.6 / 173.7 (D2); each dense GEMV 3-4 us slower (qkv_a 10.6 -> 14.1, o_proj 31.5 -> 35.3, shared gate_up
+# 16.4 -> 19.5). s12 D2 had measured 0.962x.
 
 
 @functools.cache
@@ -155,8 +114,8 @@ def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
     if rows == 1:
         cols = gemv_m1_columns(n)  # a 1-column build defines nothing more: its kernel and cache entry as before
         grid = -(-n // (GEMV_WARPS_PER_BLOCK * cols))
-        launch_decode("gemv.cu", "gemv_m1", (grid,), (GEMV_WARPS_PER_BLOCK * 32,), args, pdl=gemv_pdl(),
-                      **({} if cols == 1 else {"GEMV_M1_COLS": cols}))
+        kernel("gemv.cu", "gemv_m1", **({} if cols == 1 else {"GEMV_M1_COLS": cols}))(
+            (grid,), (GEMV_WARPS_PER_BLOCK * 32,), args)
         return
     kernel("gemv.cu", f"gemv_m{rows}")((grid,), (GEMV_WARPS_PER_BLOCK * 32,), args)
 
@@ -251,9 +210,10 @@ def rms_norm_gemv(x: cupy.ndarray, norm_weight: cupy.ndarray, eps: float, layer:
     the caller checks ``rms_scaled_wanted``."""
     n, k = layer.out_features, layer.in_features
     out = cupy.empty((1, n), dtype=cupy.uint16)
-    launch_decode("gemv.cu", "gemv_m1_rms_scaled", (-(-n // GEMV_WARPS_PER_BLOCK),), (GEMV_WARPS_PER_BLOCK * 32,),
-                  (cupy.ascontiguousarray(x), norm_weight, np.float32(eps), layer.weight,
-                   layer.bias if layer.bias is not None else NULL, out, np.int32(n), np.int32(k)), pdl=gemv_pdl())
+    kernel("gemv.cu", "gemv_m1_rms_scaled")(
+        (-(-n // GEMV_WARPS_PER_BLOCK),), (GEMV_WARPS_PER_BLOCK * 32,),
+        (cupy.ascontiguousarray(x), norm_weight, np.float32(eps), layer.weight,
+         layer.bias if layer.bias is not None else NULL, out, np.int32(n), np.int32(k)))
     return out
 
 

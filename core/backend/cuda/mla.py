@@ -157,11 +157,6 @@ EXPAND_SMALL_MAX_TOKENS, EXPAND_SMALL_COLUMNS, EXPAND_SMALL_THREADS = 64, 16, 12
 # write_latent 4.0, W_UK 3.3, combine 3.6, W_UV 3.3 us a layer, ~0.1 us between kernels.
 PDL_ENV = "OPENINFER_MLA_PDL"
 DEFAULT_PDL = False
-# Opt-in, kept off until tests/gpu/test_mla_kernels.py::test_tma_fused_write_pdl_waits_for_late_inputs has run on a GPU:
-# $OPENINFER_MLA_PDL_FUSED_WRITE=1 (with $OPENINFER_MLA_PDL) PDL-launches mla_attention_tma with the fused latent write
-# too; off, that kernel launches plainly (0c9f917: s13 D4 saw 2 PDL tests fail under graph replay with it, cause not
-# found). Its kv_a, q and q_latent reads and its cache and output writes all follow its griddepcontrol.wait.
-PDL_FUSED_WRITE_ENV = "OPENINFER_MLA_PDL_FUSED_WRITE"
 # Defaults since E3 (H200, 2026-11-24; both bit-equal to the kernels before, GPU-tested): mla_attention_mma
 # with its query and key tiles copied by cp.async (every 16-byte copy of a tile in flight at once) and
 # splits past a short context leaving at once (OPENINFER_MLA_ASYNC_TILES=0: the plain loads), and
@@ -305,15 +300,6 @@ def pdl() -> bool:
     compute capability 9.0 and later only: griddepcontrol is Hopper's). Asked at every launch: the answer is kept
     per value of the switch (``_pdl_for``), so a launch reads one environment entry."""
     return _pdl_for(os.environ.get(PDL_ENV) or str(int(DEFAULT_PDL)))
-
-
-def pdl_fused_write() -> bool:
-    """$OPENINFER_MLA_PDL_FUSED_WRITE (0 / 1; unset: 0; another value: a clear error): whether ``pdl`` covers
-    mla_attention_tma with the fused latent write too."""
-    text = os.environ.get(PDL_FUSED_WRITE_ENV) or "0"
-    if text not in ("0", "1"):
-        raise ValueError(f"{PDL_FUSED_WRITE_ENV} is 0 or 1; got {text!r}")
-    return text == "1"
 
 
 @functools.cache
@@ -798,8 +784,10 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
             splits = max(splits, mla_decode_sm90.BALANCE_MIN_SPLITS)
             balance_slots = max(1, blocks_per_sm * num_sms // head_chunks)
         staged_q = mla_decode_sm90.q_tile(latent_write is not None) and mla_decode_sm90.q_tile_fits(spec, q, *q_layout)
-        # with the fused latent write only under $OPENINFER_MLA_PDL_FUSED_WRITE (pdl_fused_write)
-        tma_pdl = pdl() and cluster == 1 and (latent_write is None or pdl_fused_write())
+        # with the fused latent write never PDL-launched: so launched it read stale inputs (the since-deleted opt-in
+        # OPENINFER_MLA_PDL_FUSED_WRITE's GPU test with a late writer, test_tma_fused_write_pdl_waits_for_late_inputs,
+        # failed in s15 D1, H200, case cublas-1-ragged-16; s13 D4 had 2 failures under graph replay; cause not found)
+        tma_pdl = pdl() and cluster == 1 and latent_write is None
         tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, tma_pdl,
                                                                     latent_write is not None, staged_q)
     else:

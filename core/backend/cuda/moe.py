@@ -51,7 +51,6 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from openinfer.backend.cuda.linear import decode_pdl, launch_decode
 from openinfer.backend.cuda.loader import kernel
 from openinfer.backend.cuda.moe_routing import (
     MAX_EXPERTS,
@@ -320,18 +319,14 @@ def groups_shared_bytes(defines: dict[str, int], in_features: int) -> tuple[int,
     return static, dynamic
 
 
-def _launch_groups(grid: tuple[int, int], args: tuple, defines: dict[str, int], in_features: int,
-                   pdl_mode: int = 1) -> None:
-    """moe_int4.cu's moe_gemv_int4_groups over ``grid`` (launch_decode), its dynamic shared memory sized (and allowed
-    past 48 KB where the static and dynamic together need it)."""
+def _launch_groups(grid: tuple[int, int], args: tuple, defines: dict[str, int], in_features: int) -> None:
+    """moe_int4.cu's moe_gemv_int4_groups over ``grid``, its dynamic shared memory sized (and allowed past 48 KB where
+    the static and dynamic together need it)."""
     static, dynamic = groups_shared_bytes(defines, in_features)
-    if static + dynamic > SHARED_BYTES_DEFAULT:
-        built = kernel("moe_int4.cu", "moe_gemv_int4_groups", **defines, **({"DECODE_PDL": pdl_mode} if decode_pdl()
-                                                                              else {}))
-        if built.max_dynamic_shared_size_bytes < dynamic:
-            built.max_dynamic_shared_size_bytes = dynamic
-    launch_decode("moe_int4.cu", "moe_gemv_int4_groups", grid, (MMA_GEMV_WARPS * 32,), args, dynamic,
-                  pdl_mode=pdl_mode, **defines)
+    built = kernel("moe_int4.cu", "moe_gemv_int4_groups", **defines)
+    if static + dynamic > SHARED_BYTES_DEFAULT and built.max_dynamic_shared_size_bytes < dynamic:
+        built.max_dynamic_shared_size_bytes = dynamic
+    built(grid, (MMA_GEMV_WARPS * 32,), args, shared_mem=dynamic)
 
 
 def int4_row_blocks(column_blocks: int, tile_rows: int, min_blocks: int, value: str | None = None) -> int:
@@ -606,17 +601,10 @@ def layout_gemv(weight: ExpertLinear, name: str | None, gemv_kernel: str | None 
     return name
 
 
-# DECODE_PDL 2 (the down GEMV's first weight chunks before griddepcontrol.wait): off — s12 D2's GPU test
-# (test_decode_pdl_same_bits, OPENINFER_MOE_GEMV_SILU=1: down right after the fused gate_up) found graph replays
-# differing from eager runs; mode 1 (wait at entry) everywhere until that is understood.
-PDL_WEIGHTS_FIRST = False
-
-
-def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, name: str,
-                 tables_ready: bool = False) -> None:
+def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, name: str) -> None:
     """GEMV kernel ``name`` (moe_gemv / moe_gemv_wide / moe_gemv_mma) over ``grid_rows`` tiles
     (grouped) or ``dense_rows`` rows (dense mode: ``grid_rows`` 0). ``args``: the kernels' shared
-    argument list; ``tables_ready``: see ``grouped_gemm``."""
+    argument list."""
     if name == "moe_gemv":
         rows_grid = grid_rows or -(-dense_rows // GEMV_ROWS)
         weight._kernel("moe_gemv")((-(-weight.out_features // GEMV_WARPS), rows_grid), (GEMV_WARPS * 32,), args)
@@ -633,8 +621,7 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
                 defines = {**defines, "GROUPS_ROW_BLOCKS": row_blocks}
             elif streamed:  # one column block a block: the unstreamed kernel
                 defines = {k: v for k, v in defines.items() if k != "GROUPS_ROW_STREAM"}
-            _launch_groups((-(-column_blocks // row_blocks), grid_rows or 1), args, defines, weight.in_features,
-                           pdl_mode=2 if tables_ready and PDL_WEIGHTS_FIRST else 1)
+            _launch_groups((-(-column_blocks // row_blocks), grid_rows or 1), args, defines, weight.in_features)
             return
         defines = {"MMA_GEMV_NTILES": 2}  # other layouts: moe_gemv_mma
         name = "mma"
@@ -698,7 +685,7 @@ def _grouped_by_blas(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrou
 def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
                  gemv: bool | None = None, *, gemv_kernel: str | None = None, blas=None,
                  pipelined: str | None = None, pipe_shape: str | None = None, sm90: bool | None = None,
-                 overlap_previous: bool = False, tables_ready: bool = False) -> cupy.ndarray:
+                 overlap_previous: bool = False) -> cupy.ndarray:
     """Rows in expert order: ``out[p] = A[row(p)] · W_e(p)^T`` with ``row(p)`` the token of slot p
     (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16. ``gemv``: force (True) or forbid
     (False) the decode GEMV; None lets ``choose_gemv`` decide by the slots per expert.
@@ -711,9 +698,7 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     ``sm90``: force (True; the caller checks ``sm90_ready``) or forbid the Hopper kernel (moe_sm90.py);
     None takes it where ``sm90_experts`` says (OPENINFER_MOE_SM90, bf16 experts above
     SM90_ABOVE_ROWS_PER_EXPERT slots per expert) unless the caller picked a path (``gemv``,
-    ``gemv_kernel``, ``pipelined``) or a GEMV is forced; ``overlap_previous``: see ``grouped_gemm_sm90``.
-    ``tables_ready``: the grouping was written before the stream's previous kernel (the down projection after
-    gate_up): with OPENINFER_DECODE_PDL the lane-groups GEMV may read it and the weights before it waits."""
+    ``gemv_kernel``, ``pipelined``) or a GEMV is forced; ``overlap_previous``: see ``grouped_gemm_sm90``."""
     num_slots = int(grouping.sorted_slots.size)
     a = cupy.ascontiguousarray(a)
     if sm90 is None:
@@ -744,7 +729,7 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
         _launch_pipelined(weight, grouping.max_tiles, head[:4] + tables, False, pipe_shape or pipe_shape_for(per_expert))
         return out
     if name is not None and weight.gemv_ready(a):
-        _launch_gemv(weight, head + tables, grouping.max_tiles, 0, name, tables_ready)
+        _launch_gemv(weight, head + tables, grouping.max_tiles, 0, name)
         return out
     grid = (grouping.max_tiles, -(-weight.out_features // TILE_N))
     weight._kernel()(grid, (GEMM_THREADS,), head + tables + (np.int32(_vectorised(a, weight)),))
@@ -1332,5 +1317,4 @@ def routed_experts(backend, x: cupy.ndarray, gate_up: ExpertLinear, down: Expert
         activated = backend.silu_mul(grouped_gemm(x, gate_up, grouping, gather=True, blas=backend.blas))
     # after the Hopper gate_up (launched once the grouping completed) down may overlap its last wave
     # (OPENINFER_MOE_SM90_PDL)
-    return grouped_gemm(activated, down, grouping, gather=False, blas=backend.blas, overlap_previous=sm90_gate_up,
-                        tables_ready=True)
+    return grouped_gemm(activated, down, grouping, gather=False, blas=backend.blas, overlap_previous=sm90_gate_up)

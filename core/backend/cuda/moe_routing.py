@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import cupy
 import numpy as np
 
-from openinfer.backend.cuda.linear import launch_decode
 from openinfer.backend.cuda.loader import kernel
 from openinfer.moe import RouterSpec
 
@@ -253,12 +252,12 @@ def route_and_group(x: cupy.ndarray, layer: DeviceMoE, ticket: cupy.ndarray | No
     grouping = ExpertGroupingDevice.empty(num_tokens, spec.top_k + shared, spec.num_experts + shared)
     tiles = grouping.max_tiles
     defines = {"ROUTE_SHARED_EXPERTS": shared} if shared else {}
-    launch_decode("moe_routing.cu", "moe_route_sort", (1,), (ROUTE_SORT_THREADS,), (
+    kernel("moe_routing.cu", "moe_route_sort", **defines)((1,), (ROUTE_SORT_THREADS,), (
         logits, NULL if layer.correction_bias is None else layer.correction_bias, np.int32(num_tokens),
         np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
         np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights,
         grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
-        grouping.num_tiles, np.int32(tiles)), **defines)
+        grouping.num_tiles, np.int32(tiles)))
     return grouping
 
 
