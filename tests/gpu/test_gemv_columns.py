@@ -48,3 +48,32 @@ def test_gemv_m1_columns_switch_rejects_other_values(cuda_backend, rng, monkeypa
     monkeypatch.setenv(linear.GEMV_M1_COLS_ENV, "3")
     with pytest.raises(ValueError, match="OPENINFER_GEMV_M1_COLS"):
         cuda_backend.linear(cuda_backend.upload(bf16_random(rng, 1, 64)), layer)
+
+
+def test_gemv_beside_other_work_takes_at_least_the_beside_columns(cuda_backend, rng, monkeypatch):
+    """Inside ``gemv_beside_other_work`` (the MoE side stream's shared experts) a one-row GEMV takes at least
+    $OPENINFER_GEMV_M1_COLS_BESIDE columns a warp, outside as before; nested blocks unwind; the same bits."""
+    from openinfer.backend.cuda import linear
+
+    monkeypatch.setenv(linear.GEMV_M1_COLS_ENV, "auto")
+    monkeypatch.setenv(linear.GEMV_M1_COLS_BESIDE_ENV, "2")
+    assert linear.gemv_m1_columns(64) == 1
+    with linear.gemv_beside_other_work():
+        assert linear.gemv_m1_columns(64) == 2
+        with linear.gemv_beside_other_work():
+            assert linear.gemv_m1_columns(64) == 2
+        assert linear.gemv_m1_columns(64) == 2
+    assert linear.gemv_m1_columns(64) == 1
+    monkeypatch.setenv(linear.GEMV_M1_COLS_ENV, "4")
+    with linear.gemv_beside_other_work():
+        assert linear.gemv_m1_columns(64) == 4  # at least, never fewer
+    x, w = bf16_random(rng, 1, 7168), bf16_random(rng, 4096, 7168, scale=0.05)
+    layer, dx = cuda_backend.linear_weight(w, None), cuda_backend.upload(x)
+    monkeypatch.setenv(linear.GEMV_M1_COLS_ENV, "auto")
+    plain = cupy.asnumpy(cuda_backend.linear(dx, layer).view(cupy.uint16))
+    with linear.gemv_beside_other_work():
+        beside = cupy.asnumpy(cuda_backend.linear(dx, layer).view(cupy.uint16))
+    assert np.array_equal(beside, plain)
+    monkeypatch.setenv(linear.GEMV_M1_COLS_BESIDE_ENV, "3")
+    with linear.gemv_beside_other_work(), pytest.raises(ValueError, match="OPENINFER_GEMV_M1_COLS_BESIDE"):
+        linear.gemv_m1_columns(64)

@@ -8,9 +8,11 @@ skinny kernel, which reads each weight byte once at close to copy bandwidth; the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import cupy
@@ -40,6 +42,13 @@ GEMV_COLUMNS_PER_WARP = {1: 1, 2: 2, 4: 4, 8: 4}  # per kernel gemv_m{rows}, as 
 GEMV_M1_COLS_ENV = "OPENINFER_GEMV_M1_COLS"
 DEFAULT_GEMV_M1_COLS = "auto"
 GEMV_M1_BLOCKS_PER_SM = 5  # gemv_m1 at 48 registers x 256 threads (sm_90a ptxas)
+# $OPENINFER_GEMV_M1_COLS_BESIDE (1, 2 or 4; unset: DEFAULT_GEMV_M1_COLS_BESIDE): the fewest columns a warp of gemv_m1
+# owns where it runs beside other work (``gemv_beside_other_work``: the shared experts on the MoE side stream, beside
+# the routing and the routed experts), so that its narrower grid leaves SMs and bandwidth to the critical path.
+# Opt-in until measured.
+GEMV_M1_COLS_BESIDE_ENV = "OPENINFER_GEMV_M1_COLS_BESIDE"
+DEFAULT_GEMV_M1_COLS_BESIDE = 1
+_beside_other_work = threading.local()
 NULL = np.uint64(0)
 # "1": the o_proj and down GEMMs add their product into the residual stream in place (cuBLAS
 # beta = 1), and the next norm is a plain rms_norm of it instead of add_rms_norm(x, residual): the
@@ -89,17 +98,38 @@ def _multiprocessors(device: int) -> int:
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
 
 
+@contextlib.contextmanager
+def gemv_beside_other_work() -> Iterator[None]:
+    """One-row GEMVs launched inside run beside other work (see GEMV_M1_COLS_BESIDE_ENV)."""
+    depth = getattr(_beside_other_work, "depth", 0)
+    _beside_other_work.depth = depth + 1
+    try:
+        yield
+    finally:
+        _beside_other_work.depth = depth
+
+
+def _columns_switch(env: str, default: str, allowed: tuple[str, ...]) -> str:
+    text = os.environ.get(env, "").strip().lower() or default
+    if text not in allowed:
+        raise ValueError(f"{env} must be {', '.join(allowed[:-1])} or {allowed[-1]} (the columns a warp of gemv_m1 "
+                         f"owns), got {text!r}")
+    return text
+
+
 def gemv_m1_columns(out_features: int) -> int:
     """The columns a warp of gemv_m1 owns for ``out_features`` outputs: $OPENINFER_GEMV_M1_COLS (see
-    GEMV_M1_COLS_ENV; "auto": 2 where one column a warp takes more than a wave of blocks, else 1)."""
-    text = os.environ.get(GEMV_M1_COLS_ENV, "").strip().lower() or DEFAULT_GEMV_M1_COLS
+    GEMV_M1_COLS_ENV; "auto": 2 where one column a warp takes more than a wave of blocks, else 1), at least
+    $OPENINFER_GEMV_M1_COLS_BESIDE inside ``gemv_beside_other_work``."""
+    text = _columns_switch(GEMV_M1_COLS_ENV, DEFAULT_GEMV_M1_COLS, ("auto", "1", "2", "4"))
     if text == "auto":
         wave = GEMV_M1_BLOCKS_PER_SM * _multiprocessors(cupy.cuda.Device().id)
-        return 2 if -(-out_features // GEMV_WARPS_PER_BLOCK) > wave else 1
-    if text not in ("1", "2", "4"):
-        raise ValueError(f"{GEMV_M1_COLS_ENV} must be auto, 1, 2 or 4 (the columns a warp of gemv_m1 owns), "
-                         f"got {text!r}")
-    return int(text)
+        cols = 2 if -(-out_features // GEMV_WARPS_PER_BLOCK) > wave else 1
+    else:
+        cols = int(text)
+    if getattr(_beside_other_work, "depth", 0):
+        cols = max(cols, int(_columns_switch(GEMV_M1_COLS_BESIDE_ENV, str(DEFAULT_GEMV_M1_COLS_BESIDE), ("1", "2", "4"))))
+    return cols
 
 
 def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
+from openinfer.backend.cuda.linear import gemv_beside_other_work
 from openinfer.backend.cuda.loader import kernel
 from openinfer.backend.cuda.moe_routing import (
     MAX_EXPERTS,
@@ -1144,7 +1145,7 @@ def start_shared_experts(x: cupy.ndarray, shared_experts, forked: bool = False
     if not forked:
         fork.record(cupy.cuda.get_current_stream())
     side.wait_event(fork)
-    with side:
+    with side, gemv_beside_other_work():
         shared = shared_experts(x)
         joined.record(side)
     return shared, joined
