@@ -490,42 +490,6 @@ def test_gemv_m1_rms_scaled_matches_numpy(cuda_backend, rng, monkeypatch, n, k):
         cuda_linear.rms_scaled_wanted(x, layer)
 
 
-def test_weight_prefetch_is_a_hint(cuda_backend, rng, monkeypatch):
-    """linear.start_weight_prefetch (OPENINFER_L2_WEIGHT_PREFETCH_MB): a weight's last bytes pulled into L2 from a
-    side stream changes no result, eagerly or inside a captured graph (the fork joined); 0 / unset: nothing
-    launched; more than the weight: the whole weight; a bad value is a clear error."""
-    from openinfer.backend.cuda import linear as cuda_linear
-
-    layer = cuda_backend.linear_weight(bf16_random(rng, 300, 1024, scale=0.02))
-    x = cuda_backend.upload(bf16_random(rng, 1, 1024))
-    want = cuda_backend.to_host(cuda_backend.linear(x, layer))
-    monkeypatch.delenv(cuda_linear.L2_WEIGHT_PREFETCH_ENV, raising=False)
-    assert cuda_linear.start_weight_prefetch(layer) is None
-    monkeypatch.setenv(cuda_linear.L2_WEIGHT_PREFETCH_ENV, "0.25")
-    assert cuda_linear.weight_prefetch_bytes() == 2**18
-    joined = cuda_linear.start_weight_prefetch(layer)
-    assert joined is not None
-    out = cuda_backend.linear(x, layer)
-    cuda_linear.join_weight_prefetch(joined)
-    assert np.array_equal(cuda_backend.to_host(out), want)
-    assert cuda_linear.start_weight_prefetch(layer, 1 << 30) is not None  # past the weight's 600 KB: all of it
-    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-    with cupy.cuda.using_allocator(pool.malloc), stream:
-        stream.begin_capture()
-        try:
-            joined = cuda_linear.start_weight_prefetch(layer)
-            out = cuda_backend.linear(x, layer)
-            cuda_linear.join_weight_prefetch(joined)
-        finally:
-            graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-        assert np.array_equal(cuda_backend.to_host(out), want)
-    monkeypatch.setenv(cuda_linear.L2_WEIGHT_PREFETCH_ENV, "lots")
-    with pytest.raises(ValueError, match="megabytes"):
-        cuda_linear.weight_prefetch_bytes()
-
-
 @pytest.mark.parametrize("silu", ["0", "1"])
 @pytest.mark.parametrize("router", ["decode", "route_sort"])
 def test_decode_pdl_same_bits(cuda_backend, cuda_moe, rng, monkeypatch, router, silu):
