@@ -1145,10 +1145,6 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "int4_row_blocks": "moe_gemv_int4_groups blocks taking several column blocks where a decode grid exceeds a wave "
                        "($OPENINFER_INT4_ROW_BLOCKS=auto)",
     "rms_scaled": "q_a_norm + q_b at one row as one launch, gemv_m1_rms_scaled ($OPENINFER_RMS_SCALED_GEMV=1)",
-    "oproj_prefetch": "batch 1: o_proj's last 32 MB pulled into L2 from a side stream during the MLA "
-                      "($OPENINFER_L2_WEIGHT_PREFETCH_MB=32; the layer bench only)",
-    "oproj_prefetch16": "oproj_prefetch of 16 MB",
-    "oproj_prefetch48": "oproj_prefetch of 48 MB",
     "gemv_cols1": "gemv_m1's warps own 1 column each ($OPENINFER_GEMV_M1_COLS=1; the default before s15)",
     "gemv_beside2": "the shared expert's gemv_m1 on the MoE side stream with at least 2 columns a warp "
                     "($OPENINFER_GEMV_M1_COLS_BESIDE=2)",
@@ -1274,9 +1270,6 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "route_sort": (moe_routing.ROUTE_SORT_ENV, "1"),
                 "int4_row_blocks": (cuda_moe.INT4_ROW_BLOCKS_ENV, "auto"),
                 "rms_scaled": ("OPENINFER_RMS_SCALED_GEMV", "1"),
-                "oproj_prefetch": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "32"),
-                "oproj_prefetch16": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "16"),
-                "oproj_prefetch48": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "48"),
                 "gemv_cols1": (cuda_linear.GEMV_M1_COLS_ENV, "1"), "gemv_cols2": (cuda_linear.GEMV_M1_COLS_ENV, "2"),
                 "gemv_cols4": (cuda_linear.GEMV_M1_COLS_ENV, "4"),
                 "gemv_beside2": (cuda_linear.GEMV_M1_COLS_BESIDE_ENV, "2"),
@@ -1298,11 +1291,9 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
 
 def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, absorbed_kernel: str):
     """One decode step of the layer, as the plugin's CUDA plan runs it: returns (attention output
-    after o_proj, layer output). (Option oproj_prefetch: o_proj's last rows pulled into L2 during the MLA
-    at batch 1, linear.start_weight_prefetch; not in the plugin yet.)"""
+    after o_proj, layer output)."""
     import cupy
 
-    from openinfer.backend.cuda import linear as cuda_linear
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
 
@@ -1310,12 +1301,10 @@ def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x,
     qkv_a = backend.linear(x, attention["qkv_a"])
     q = backend.add_rms_norm_linear(cupy.ascontiguousarray(qkv_a[:, :c["q_lora"]]), None, attention["q_a_norm"],
                                     1e-6, attention["q_b"])[0]
-    prefetch = cuda_linear.start_weight_prefetch(attention["o_proj"]) if x.shape[0] <= 1 else None
     attn = cuda_mla.mla_forward(backend.blas, q, qkv_a[:, c["q_lora"]:], cache, attention["w_uk"], attention["w_uv"],
                                 attention["kv_a_norm"], spec, batch, cos, sin, 1e-6, backend.num_sms,
                                 absorbed_kernel=absorbed_kernel)
     h = backend.linear(attn, attention["o_proj"])
-    cuda_linear.join_weight_prefetch(prefetch)
     shared_experts = partial(shared_mlp, backend, shared)  # by moe_forward, beside the routed ones with shared_overlap
     return h, cuda_moe.moe_forward(backend, h, moe, shared_experts=shared_experts)
 

@@ -177,15 +177,9 @@ extern "C" __global__ void moe_sort_parallel(const int* __restrict__ ids, int nu
     __syncthreads();
     for (int i = tid; i < num_slots; i += threads) atomicAdd(&count[ids[i]], 1);
     __syncthreads();
-    const int per_thread = (num_experts + threads - 1) / threads;
-    const int first = min(num_experts, tid * per_thread), last = min(num_experts, first + per_thread);
-    int rows = 0, tiles = 0;
-    for (int e = first; e < last; ++e) {
-        rows += count[e];
-        tiles += (count[e] + BM - 1) / BM;
-    }
-    row_scan[tid] = rows;
-    tile_scan[tid] = tiles;
+    const ExpertRun run = expert_run<BM>(count, num_experts, tid, threads);  // moe_route.cuh: as moe_route_sort
+    row_scan[tid] = run.rows;
+    tile_scan[tid] = run.tiles;
     __syncthreads();
     for (int o = 1; o < threads; o <<= 1) {  // inclusive scan over the threads (Hillis-Steele)
         const int r = tid >= o ? row_scan[tid - o] : 0, t = tid >= o ? tile_scan[tid - o] : 0;
@@ -194,28 +188,14 @@ extern "C" __global__ void moe_sort_parallel(const int* __restrict__ ids, int nu
         tile_scan[tid] += t;
         __syncthreads();
     }
-    int row = row_scan[tid] - rows, tile = tile_scan[tid] - tiles;
-    for (int e = first; e < last; ++e) {
-        const int n = count[e];
-        offsets[e] = row;
-        for (int r = 0; r < n; r += BM, ++tile)
-            if (tile < max_tiles) {
-                tile_expert[tile] = e;
-                tile_row[tile] = row + r;
-            }
-        count[e] = row;
-        row += n;
-    }
+    lay_out_expert_run<BM>(run, row_scan[tid] - run.rows, tile_scan[tid] - run.tiles, count, offsets, tile_expert,
+                           tile_row, max_tiles);
     if (tid == 0) {
         offsets[num_experts] = row_scan[threads - 1];
         *num_tiles = min(tile_scan[threads - 1], max_tiles);
     }
     __syncthreads();
-    for (int i = tid; i < num_slots; i += threads) {
-        const int p = atomicAdd(&count[ids[i]], 1);
-        sorted_slots[p] = i;
-        slot_pos[i] = p;
-    }
+    place_slots(num_slots, ids, count, sorted_slots, slot_pos);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -88,12 +88,6 @@
 #if GROUPS_ROW_STREAM && (GROUPS_STAGES || GROUPS_KSPLIT > 1 || GROUPS_ROTATE || GROUPS_FUSE_SILU)
 #error "GROUPS_ROW_STREAM: the register ring, unrotated, plain (not fused), without K split"
 #endif
-#ifndef GROUPS_L2_PREFETCH
-#define GROUPS_L2_PREFETCH 0  // > 0: the warp asks L2 for the chunk this many past each one the register ring loads
-#endif                        // (prefetch.global.L2: DRAM reads in flight beyond the registers' ring)
-#if GROUPS_L2_PREFETCH && GROUPS_STAGES
-#error "GROUPS_L2_PREFETCH: the register ring"
-#endif
 #ifndef GROUPS_MIN_BLOCKS
 #define GROUPS_MIN_BLOCKS 4  // resident blocks per SM asked of ptxas (4: at most 128 registers, 16 warps per SM)
 #endif
@@ -154,29 +148,6 @@ __device__ __forceinline__ GroupsChunk groups_load(const GroupsRows& rows, int c
     chunk.s_lo = *reinterpret_cast<const unsigned*>(s_lo);
     chunk.s_hi = *reinterpret_cast<const unsigned*>(s_hi);
     return chunk;
-}
-
-// GROUPS_L2_PREFETCH: this lane's bytes of chunk `c` of the warp's rows asked of L2 (prefetch.global.L2: no register
-// written, nothing waited for): its 16 bytes of each half and its scale pair's sector (the lanes together: the chunk's
-// 1 KB and its scales' 128-byte line; fused, the up rows' line too); a no-op off the GPU. (A bulk prefetch by lane 0
-// takes uniform registers: ptxas wraps each in a loop over the lanes' addresses, ~10 instructions.)
-__device__ __forceinline__ void groups_prefetch_l2(const GroupsRows& rows, int c) {
-#if GROUPS_L2_PREFETCH && !defined(MMA_HOST_STANDIN)
-    const unsigned char *w = rows.w_lo + (unsigned long long)(unsigned)c * 1024u,
-                        *s = rows.s_lo + (unsigned long long)(unsigned)c * 128u;
-#if GROUPS_FUSE_SILU  // the up rows' half and scales in another chunk
-    const unsigned char *w_hi = w + rows.w_hi, *s_hi = s + rows.s_hi;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(s_hi));
-#else
-    const unsigned char* w_hi = w + 512;
-#endif
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(w));
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(w_hi));
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(s));
-#else
-    (void)rows;
-    (void)c;
-#endif
 }
 
 #if GROUPS_STAGES
@@ -620,37 +591,15 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             GroupsChunk ring[GROUPS_DEPTH];
             int load_chunk = start;  // the next chunk the ring loads (of the column block at load_rows)
             GroupsRows load_rows = rows_of_warp;
-#if GROUPS_L2_PREFETCH  // the L2 prefetch's own walk, GROUPS_L2_PREFETCH chunks ahead of the ring's loads: from the
-            // chunk after the ring's first GROUPS_DEPTH - 1 (loaded at once)
-            int prefetch_chunk = start, prefetch_left = count;
-            GroupsRows prefetch_rows = rows_of_warp;
-            const auto prefetch_next = [&]() {
-                if (prefetch_left > 0) {
-                    groups_prefetch_l2(prefetch_rows, prefetch_chunk);
-                    walk_on(prefetch_chunk, prefetch_rows);
-                    --prefetch_left;
-                }
-            };
-            for (int d = 0; d + 1 < GROUPS_DEPTH && prefetch_left > 0; ++d, --prefetch_left)
-                walk_on(prefetch_chunk, prefetch_rows);
-#endif
-            // the ring's next chunk (`ahead`: and the L2 prefetch's)
-            const auto load_next = [&](bool ahead) {
+            // the ring's next chunk
+            const auto load_next = [&]() {
                 const GroupsChunk chunk = groups_load(load_rows, load_chunk);
                 walk_on(load_chunk, load_rows);
-#if GROUPS_L2_PREFETCH
-                if (ahead) prefetch_next();
-#else
-                (void)ahead;
-#endif
                 return chunk;
             };
     #pragma unroll
             for (int d = 0; d + 1 < GROUPS_DEPTH; ++d)
-                if (d < count) ring[d] = load_next(false);
-#if GROUPS_L2_PREFETCH  // then the next GROUPS_L2_PREFETCH chunks asked of L2 (in flight while the block stages)
-            for (int d = 0; d < GROUPS_L2_PREFETCH; ++d) prefetch_next();
-#endif
+                if (d < count) ring[d] = load_next();
             // the activations of the c-th chunk walked in xv[c % 2] (GROUPS_DEPTH even: a static index in the ring)
 #if GROUPS_XSMEM  // the pass's activations into shared memory (the ring's first chunks in flight meanwhile)
             groups_stage_pass(groups_xs, a, sorted_slots, top_k, pass, rows, chunks, K, token_of_lane, t, x_at, x_stride);
@@ -680,7 +629,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             for (; c0 + 2 * GROUPS_DEPTH - 1 <= count; c0 += GROUPS_DEPTH) {  // every load of the turn in range
     #pragma unroll
                 for (int d = 0; d < GROUPS_DEPTH; ++d) {
-                    ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = load_next(true);  // the slot used last
+                    ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = load_next();  // the slot used last
                     groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
                     x_chunk = next_chunk(x_chunk);
                     consume(ring[d], xv[d % 2]);
@@ -690,7 +639,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
     #pragma unroll
                 for (int d = 0; d < GROUPS_DEPTH; ++d) {
                     const int c = c0 + d;
-                    if (c + GROUPS_DEPTH - 1 < count) ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = load_next(true);
+                    if (c + GROUPS_DEPTH - 1 < count) ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = load_next();
                     if (c < count) {
                         if (c + 1 < count) {
                             groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);

@@ -126,3 +126,58 @@ __device__ __forceinline__ void route_token(RouteShared& shared, const float* __
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The grouping's layout steps, shared by moe.cu's moe_sort_parallel and moe_routing.cu's moe_route_sort and
+// moe_route_decode: each part of `parts` (a thread, a lane) takes a run of consecutive experts [first, last) of the
+// `grouped` ones and counts its rows and TILE_ROWS-row GEMM tiles (expert_run); the caller's scan over the parts gives
+// the rows and tiles before each run, which is laid out in order (lay_out_expert_run: offsets, the tile list, then
+// count[e] = e's first row); after a barrier every slot is placed by an atomic on its expert's next row (place_slots:
+// each expert's slots in the order the atomics hand out).
+// ---------------------------------------------------------------------------------------------
+struct ExpertRun {
+    int first, last, rows, tiles;
+};
+
+template <int TILE_ROWS>
+__device__ __forceinline__ ExpertRun expert_run(const int* count, int grouped, int part, int parts) {
+    const int per_part = (grouped + parts - 1) / parts;
+    ExpertRun run;
+    run.first = min(grouped, part * per_part);
+    run.last = min(grouped, run.first + per_part);
+    run.rows = 0;
+    run.tiles = 0;
+    for (int e = run.first; e < run.last; ++e) {
+        run.rows += count[e];
+        run.tiles += (count[e] + TILE_ROWS - 1) / TILE_ROWS;
+    }
+    return run;
+}
+
+// `row_before` / `tile_before`: the rows and tiles of the runs before this one; tiles past `max_tiles` not written.
+template <int TILE_ROWS>
+__device__ __forceinline__ void lay_out_expert_run(const ExpertRun& run, int row_before, int tile_before, int* count,
+                                                   int* __restrict__ offsets, int* __restrict__ tile_expert,
+                                                   int* __restrict__ tile_row, int max_tiles) {
+    for (int e = run.first; e < run.last; ++e) {
+        const int expert_rows = count[e];
+        offsets[e] = row_before;
+        for (int r = 0; r < expert_rows; r += TILE_ROWS, ++tile_before)
+            if (tile_before < max_tiles) {
+                tile_expert[tile_before] = e;
+                tile_row[tile_before] = row_before + r;
+            }
+        count[e] = row_before;
+        row_before += expert_rows;
+    }
+}
+
+// After lay_out_expert_run and a barrier: slot i (expert slot_expert[i]) to its row, by the block's threads.
+__device__ __forceinline__ void place_slots(int num_slots, const int* slot_expert, int* count,
+                                            int* __restrict__ sorted_slots, int* __restrict__ slot_pos) {
+    for (int i = threadIdx.x; i < num_slots; i += blockDim.x) {
+        const int p = atomicAdd(&count[slot_expert[i]], 1);
+        sorted_slots[p] = i;
+        slot_pos[i] = p;
+    }
+}

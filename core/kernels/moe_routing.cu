@@ -12,7 +12,7 @@
 //   order (a stable, deterministic placement), its offsets entry and its tiles.
 // Needs hidden % 8 == 0 and 16-byte aligned rows for the router (the caller checks).
 #include "mma.cuh"
-#include "moe_route.cuh"  // route_score
+#include "moe_route.cuh"  // route_score; the grouping's expert_run, lay_out_expert_run, place_slots
 
 #ifndef ROUTER_STAGES
 #define ROUTER_STAGES 4
@@ -322,53 +322,7 @@ __device__ __forceinline__ void warp_route_token(const float* __restrict__ row, 
 #define ROUTE_SORT_WARPS 16
 #define ROUTE_SORT_MAX_SLOTS 2048
 // The grouping's steps shared by moe_route_sort (route_sort_block: a block) and moe_route_decode (its last block, one
-// warp scanning): each part of `parts` (a thread, a lane) takes a run of experts [first, last) of the E' = `grouped`,
-// counts its rows and 64-row tiles (expert_run), a scan over the parts gives the rows and tiles before the run, the run
-// is laid out in order (lay_out_expert_run: offsets, the tile list, count[e] = e's first row), then every slot is
-// placed by an atomic on its expert's next row (place_slots: each expert's slots in the order the atomics hand out).
-struct ExpertRun {
-    int first, last, rows, tiles;
-};
-
-__device__ __forceinline__ ExpertRun expert_run(const int* count, int grouped, int part, int parts) {
-    const int per_part = (grouped + parts - 1) / parts;
-    ExpertRun run;
-    run.first = min(grouped, part * per_part);
-    run.last = min(grouped, run.first + per_part);
-    run.rows = 0;
-    run.tiles = 0;
-    for (int e = run.first; e < run.last; ++e) {
-        run.rows += count[e];
-        run.tiles += (count[e] + GROUP_TILE_ROWS - 1) / GROUP_TILE_ROWS;
-    }
-    return run;
-}
-
-__device__ __forceinline__ void lay_out_expert_run(const ExpertRun& run, int row_before, int tile_before, int* count,
-                                                   int* __restrict__ offsets, int* __restrict__ tile_expert,
-                                                   int* __restrict__ tile_row, int max_tiles) {
-    for (int e = run.first; e < run.last; ++e) {
-        const int expert_rows = count[e];
-        offsets[e] = row_before;
-        for (int r = 0; r < expert_rows; r += GROUP_TILE_ROWS, ++tile_before)
-            if (tile_before < max_tiles) {
-                tile_expert[tile_before] = e;
-                tile_row[tile_before] = row_before + r;
-            }
-        count[e] = row_before;
-        row_before += expert_rows;
-    }
-}
-
-// After lay_out_expert_run and a barrier: slot i (expert slot_expert[i]) to its row, by the block's threads.
-__device__ __forceinline__ void place_slots(int num_slots, const int* slot_expert, int* count,
-                                            int* __restrict__ sorted_slots, int* __restrict__ slot_pos) {
-    for (int i = threadIdx.x; i < num_slots; i += blockDim.x) {
-        const int p = atomicAdd(&count[slot_expert[i]], 1);
-        sorted_slots[p] = i;
-        slot_pos[i] = p;
-    }
-}
+// warp scanning), and by moe.cu's moe_sort_parallel: moe_route.cuh's expert_run, lay_out_expert_run and place_slots.
 
 // moe_route_sort's body for the calling block (ROUTE_SORT_WARPS warps, at least E' threads): `logits` the
 // step's [T, E] rows (global or shared memory), `slot_expert` room for T·(k+S) ints, `count` GROUP_MAX_EXPERTS
@@ -400,11 +354,11 @@ __device__ __forceinline__ void route_sort_block(const float* logits, const floa
     __syncthreads();
     // experts' first rows and first tiles: thread tid holds a run of experts (one each where the block has E'
     // threads: moe_route_sort's 512), a block scan of the runs' rows and tiles, then each run laid out in order
-    const ExpertRun run = expert_run(count, grouped, tid, (int)blockDim.x);
+    const ExpertRun run = expert_run<GROUP_TILE_ROWS>(count, grouped, tid, (int)blockDim.x);
     int rows_total, tiles_total;
     const int row_before = block_exclusive_scan(run.rows, scratch, &rows_total);
     const int tile_before = block_exclusive_scan(run.tiles, scratch, &tiles_total);
-    lay_out_expert_run(run, row_before, tile_before, count, offsets, tile_expert, tile_row, max_tiles);
+    lay_out_expert_run<GROUP_TILE_ROWS>(run, row_before, tile_before, count, offsets, tile_expert, tile_row, max_tiles);
     if (tid == 0) {
         offsets[grouped] = rows_total;
         *num_tiles = min(tiles_total, max_tiles);
@@ -680,7 +634,7 @@ moe_route_decode(const bf16* __restrict__ x, const bf16* __restrict__ gate, int 
     }
     __syncthreads();
     if (warp == 0) {  // experts' rows and tiles: lane l a run of experts, a warp scan of the runs, runs laid out
-        const ExpertRun run = expert_run(count, grouped, lane, 32);
+        const ExpertRun run = expert_run<GROUP_TILE_ROWS>(count, grouped, lane, 32);
         int rows_through = run.rows, tiles_through = run.tiles;
 #pragma unroll
         for (int d = 1; d < 32; d <<= 1) {
@@ -690,8 +644,8 @@ moe_route_decode(const bf16* __restrict__ x, const bf16* __restrict__ gate, int 
                 tiles_through += s;
             }
         }
-        lay_out_expert_run(run, rows_through - run.rows, tiles_through - run.tiles, count, offsets, tile_expert,
-                           tile_row, max_tiles);
+        lay_out_expert_run<GROUP_TILE_ROWS>(run, rows_through - run.rows, tiles_through - run.tiles, count, offsets,
+                                            tile_expert, tile_row, max_tiles);
         if (lane == 31) {
             offsets[grouped] = rows_through;
             *num_tiles = min(tiles_through, max_tiles);

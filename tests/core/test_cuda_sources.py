@@ -86,9 +86,9 @@ VARIANTS["gemv.cu"] = [{}, {"GEMV_BATCHED_TAIL": 1}]  # kimi13: the last partial
 # int4 (s13): the lane-groups INT4 GEMV's staged activations (with SiLU·mul)
 VARIANTS["moe_int4.cu"] = [
     {}, {"GROUPS_XSMEM": 2}, {"GROUPS_XSMEM": 1, "GROUPS_FUSE_SILU": 1},
-    # s14's opt-ins (groups_xs_rs_pf6, groups_xs_pf12 fused): the row stream and the L2 prefetch
-    {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1, "GROUPS_ROW_BLOCKS": 2, "GROUPS_L2_PREFETCH": 6},
-    {"GROUPS_XSMEM": 2, "GROUPS_L2_PREFETCH": 12, "GROUPS_FUSE_SILU": 1}]
+    # the one-token default (groups_xs_rs: the row stream) and its fused SiLU·mul form (groups_xs's)
+    {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1, "GROUPS_ROW_BLOCKS": 2},
+    {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_FUSE_SILU": 1}]
 VARIANTS["moe_sm90.cu"] = [{"SM90_FUSE_SILU": 0}, {"SM90_FUSE_SILU": 1}, {"SM90_FUSE_SILU": 1, "SM90_STAGES": 3},
                            {"SM90_FUSE_SILU": 0, "SM90_MULTICAST": 1}, {"SM90_FUSE_SILU": 1, "SM90_MULTICAST": 1}]
 # sources that use sm_90a-only instructions (wgmma, setmaxnreg); the rest build for plain sm_90

@@ -45,16 +45,11 @@ CASES = {"d4": {"GROUPS_DEPTH": 4}, "d2": {"GROUPS_DEPTH": 2}, "p2": {"GROUPS_DE
          "xs_silu": {"GROUPS_XSMEM": 2, "GROUPS_FUSE_SILU": 1}, "xs_rb2": {"GROUPS_XSMEM": 2, "GROUPS_ROW_BLOCKS": 2},
          "xs1": {"GROUPS_XSMEM": 1}, "xs1_silu_d2": {"GROUPS_XSMEM": 1, "GROUPS_DEPTH": 2, "GROUPS_FUSE_SILU": 1},
          # a warp's column blocks as one chunk stream (GROUPS_ROW_STREAM; N = 192: blocks 0 + 2 and 1 alone over a grid
-         # of 2, all three over a grid of 1; N = 48: a warp past N walks nothing), with the L2 prefetch's walk beside
-         # (GROUPS_L2_PREFETCH: a no-op off the GPU, its walk run all the same), and the prefetch alone
+         # of 2, all three over a grid of 1; N = 48: a warp past N walks nothing)
          "xs_rs2": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1, "GROUPS_ROW_BLOCKS": 2},
          "rs3_d2": {"GROUPS_DEPTH": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1, "GROUPS_ROW_BLOCKS": 3},
-         "xs_rs2_pf6": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1, "GROUPS_ROW_BLOCKS": 2,
-                        "GROUPS_L2_PREFETCH": 6},
-         "xs_rs2_n48": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1, "GROUPS_ROW_BLOCKS": 2},
-         "xs_pf8": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_L2_PREFETCH": 8},
-         "xs_silu_pf2": {"GROUPS_XSMEM": 2, "GROUPS_L2_PREFETCH": 2, "GROUPS_FUSE_SILU": 1}}
-CASE_N = {"rb2": 192, "s2_k2_rb3": 192, "xs_rb2": 192, "xs_rs2": 192, "rs3_d2": 192, "xs_rs2_pf6": 192}  # N of a case
+         "xs_rs2_n48": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1, "GROUPS_ROW_BLOCKS": 2}}
+CASE_N = {"rb2": 192, "s2_k2_rb3": 192, "xs_rb2": 192, "xs_rs2": 192, "rs3_d2": 192}  # N of a case
 # (default 48)
 ROUTES = {"one_token": (1, 8, 4), "few": (5, 3, 2), "ragged": (12, 4, 3)}
 

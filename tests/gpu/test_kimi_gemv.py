@@ -45,7 +45,7 @@ LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "ti
                        "groups_norot_acc2", "groups_acc2", "groups_norot_acc4",
                        "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6",
                        "groups_s8_k2", "groups_s8_p2", "groups_s8_p4", "groups_xs", "groups_xs_d2", "groups_xs1",
-                       "groups_xs_rs", "groups_xs_pf6", "groups_xs_pf12", "groups_xs_rs_pf6"]
+                       "groups_xs_rs"]
 
 
 def _kernel_id(kernel) -> str:
@@ -309,7 +309,7 @@ def test_wide_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, monkeypat
 # --- the lane-groups layout (tile_int4(lane_groups=True), moe.cu INT4_TILED 2) and moe_int4.cu's GEMV ---
 
 
-@pytest.mark.parametrize("gemv_kernel", [None, "groups_norot", "groups_xs", "groups_xs_rs_pf6"])
+@pytest.mark.parametrize("gemv_kernel", [None, "groups_norot", "groups_xs", "groups_xs_rs"])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 64])
 def test_lane_groups_moe_forward_equals_rows(cuda_backend, cuda_moe, rng, monkeypatch, tokens, gemv_kernel):
     """moe_forward (routing, gate_up GEMV, SiLU·mul, down GEMV, weighted combine) with lane-groups experts:
@@ -349,8 +349,7 @@ def test_lane_groups_moe_forward_equals_rows(cuda_backend, cuda_moe, rng, monkey
 
 
 @pytest.mark.parametrize("gemv_kernel", ["groups", "groups_d2", "groups_d6", "groups_norot", "groups_s8", "groups_s8_k2",
-                                         "groups_xs", "groups_xs_d2", "groups_xs1", "groups_xs_rs", "groups_xs_pf6",
-                                         "groups_xs_rs_pf6"])
+                                         "groups_xs", "groups_xs_d2", "groups_xs1", "groups_xs_rs"])
 @pytest.mark.parametrize("tokens", [1, 2, 40])
 def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, cuda_moe, rng, monkeypatch, gemv_kernel, tokens):
     """OPENINFER_MOE_GEMV_SILU=1 with lane-groups gate_up: moe_gemv_int4_groups with SiLU·mul fused (each warp
@@ -427,15 +426,12 @@ def down_shaped_experts(cuda_backend):
     return moe.tiled_int4(rows_weight, "lane_groups"), reference
 
 
-@pytest.mark.parametrize("gemv_kernel", ["groups_xs_rs", "groups_xs_rs_pf6", "groups_xs_rs_pf12", "groups_xs_pf6",
-                                         "groups_xs_pf12"])
 @pytest.mark.parametrize("row_blocks", [None, "3"])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_lane_groups_row_stream_and_prefetch_equal_groups_xs(cuda_backend, cuda_moe, rng, monkeypatch,
-                                                             down_shaped_experts, gemv_kernel, row_blocks, tokens):
-    """groups_xs_rs (moe_int4.cu GROUPS_ROW_STREAM: a warp's column blocks walked as one chunk stream) and the
-    L2-prefetching forms (GROUPS_L2_PREFETCH) give groups_xs's bits (the same sums in the same order): eight experts
-    every token takes, N = 7136 (Kimi-K2's down rows less 32: 112 column blocks x 9 tile rows, the last block's last
+def test_lane_groups_row_stream_equals_groups_xs(cuda_backend, cuda_moe, rng, monkeypatch, down_shaped_experts,
+                                                 row_blocks, tokens):
+    """groups_xs_rs (moe_int4.cu GROUPS_ROW_STREAM: a warp's column blocks walked as one chunk stream) gives
+    groups_xs's bits (the same sums in the same order): eight experts every token takes, N = 7136 (Kimi-K2's down rows less 32: 112 column blocks x 9 tile rows, the last block's last
     two warps past N; unset, "auto" streams 2 column blocks a block on 132 SMs; "3": a grid of 38, blocks 0-34
     stream three, 36-37 two, 35's warps three or two), K = 384 (three chunks: the walk crosses column blocks mid-ring); 3 tokens: passes of 2 and 1. And the
     NumPy product, and a CUDA-graph replay's bits."""
@@ -452,7 +448,7 @@ def test_lane_groups_row_stream_and_prefetch_equal_groups_xs(cuda_backend, cuda_
         monkeypatch.setenv(moe.INT4_ROW_BLOCKS_ENV, row_blocks)
 
     def run():
-        return moe.grouped_gemm(x, weight, grouping, gather=True, gemv=True, gemv_kernel=gemv_kernel)
+        return moe.grouped_gemm(x, weight, grouping, gather=True, gemv=True, gemv_kernel="groups_xs_rs")
 
     got = cupy.asnumpy(run())
     assert np.array_equal(got, want)
@@ -492,40 +488,3 @@ def test_gemv_m1_rms_scaled_matches_numpy(cuda_backend, rng, monkeypatch, n, k):
     monkeypatch.setenv(cuda_linear.RMS_SCALED_GEMV_ENV, "maybe")
     with pytest.raises(ValueError, match="must be 1 or 0"):
         cuda_linear.rms_scaled_wanted(x, layer)
-
-
-def test_weight_prefetch_is_a_hint(cuda_backend, rng, monkeypatch):
-    """linear.start_weight_prefetch (OPENINFER_L2_WEIGHT_PREFETCH_MB): a weight's last bytes pulled into L2 from a
-    side stream changes no result, eagerly or inside a captured graph (the fork joined); 0 / unset: nothing
-    launched; more than the weight: the whole weight; a bad value is a clear error."""
-    from openinfer.backend.cuda import linear as cuda_linear
-
-    layer = cuda_backend.linear_weight(bf16_random(rng, 300, 1024, scale=0.02))
-    x = cuda_backend.upload(bf16_random(rng, 1, 1024))
-    want = cuda_backend.to_host(cuda_backend.linear(x, layer))
-    monkeypatch.delenv(cuda_linear.L2_WEIGHT_PREFETCH_ENV, raising=False)
-    assert cuda_linear.start_weight_prefetch(layer) is None
-    monkeypatch.setenv(cuda_linear.L2_WEIGHT_PREFETCH_ENV, "0.25")
-    assert cuda_linear.weight_prefetch_bytes() == 2**18
-    joined = cuda_linear.start_weight_prefetch(layer)
-    assert joined is not None
-    out = cuda_backend.linear(x, layer)
-    cuda_linear.join_weight_prefetch(joined)
-    assert np.array_equal(cuda_backend.to_host(out), want)
-    assert cuda_linear.start_weight_prefetch(layer, 1 << 30) is not None  # past the weight's 600 KB: all of it
-    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-    with cupy.cuda.using_allocator(pool.malloc), stream:
-        stream.begin_capture()
-        try:
-            joined = cuda_linear.start_weight_prefetch(layer)
-            out = cuda_backend.linear(x, layer)
-            cuda_linear.join_weight_prefetch(joined)
-        finally:
-            graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-        assert np.array_equal(cuda_backend.to_host(out), want)
-    monkeypatch.setenv(cuda_linear.L2_WEIGHT_PREFETCH_ENV, "lots")
-    with pytest.raises(ValueError, match="megabytes"):
-        cuda_linear.weight_prefetch_bytes()
-

@@ -247,56 +247,8 @@ def rms_norm_gemv(x: cupy.ndarray, norm_weight: cupy.ndarray, eps: float, layer:
     return out
 
 
-# OPENINFER_L2_WEIGHT_PREFETCH_MB=M (opt-in until measured; 0 / unset: off): ``start_weight_prefetch`` pulls the
-# last M MB of a dense weight into L2 from a side stream (moe_routing.cu moe_l2_prefetch, evict-normal hints;
-# nothing written), for a projection that follows latency-bound kernels: Kimi-K2's o_proj (117 MB, 32 us at
-# batch 1) after the MLA decode (~40 us of kernels that read ~20 MB: HBM mostly idle). The last rows: the ones
-# gemv_m1's second, partial wave reads, so the step's tail is what gets shorter.
-L2_WEIGHT_PREFETCH_ENV = "OPENINFER_L2_WEIGHT_PREFETCH_MB"
-L2_PREFETCH_BLOCKS, L2_PREFETCH_THREADS = 16, 128  # moe_l2_prefetch: 16 KB chunks per thread, grid-stride
-_weight_prefetch_streams: dict[int, tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]] = {}
-
-
-def weight_prefetch_bytes() -> int:
-    """$OPENINFER_L2_WEIGHT_PREFETCH_MB in bytes (unset: 0); not a number >= 0: a clear error."""
-    value = os.environ.get(L2_WEIGHT_PREFETCH_ENV, "").strip() or "0"
-    try:
-        megabytes = float(value)
-    except ValueError:
-        megabytes = -1.0
-    if not megabytes >= 0:
-        raise ValueError(f"{L2_WEIGHT_PREFETCH_ENV} must be a number of megabytes >= 0, got {value!r}")
-    return int(megabytes * 2**20) // 16 * 16
-
-
-def start_weight_prefetch(layer: CudaLinear, most_bytes: int | None = None) -> cupy.cuda.Event | None:
-    """Launch moe_l2_prefetch of ``layer``'s last ``most_bytes`` (default ``weight_prefetch_bytes``) on this
-    device's prefetch stream, forked from the current one; returns the event the current stream must wait for
-    before the step ends (``join_weight_prefetch``: a graph capture must join its forks), None when off."""
-    most = weight_prefetch_bytes() if most_bytes is None else most_bytes
-    flat = layer.weight.reshape(-1)
-    take = min(int(flat.nbytes), most) // 16 * 16
-    if take <= 0 or not layer.weight.flags.c_contiguous or layer.weight.data.ptr % 16:
-        return None
-    device = cupy.cuda.Device().id
-    if device not in _weight_prefetch_streams:
-        _weight_prefetch_streams[device] = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
-                                            cupy.cuda.Event(disable_timing=True))
-    side, forked, joined = _weight_prefetch_streams[device]
-    forked.record(cupy.cuda.get_current_stream())
-    side.wait_event(forked)
-    tail = flat[flat.size - take // flat.itemsize:]
-    with side:
-        kernel("moe_routing.cu", "moe_l2_prefetch")((L2_PREFETCH_BLOCKS,), (L2_PREFETCH_THREADS,), (
-            tail, np.int64(tail.nbytes), NULL, np.int64(0), np.int32(0)))
-        joined.record(side)
-    return joined
-
-
-def join_weight_prefetch(joined: cupy.cuda.Event | None) -> None:
-    """The current stream waits for ``start_weight_prefetch``'s launch (None: nothing to wait for)."""
-    if joined is not None:
-        cupy.cuda.get_current_stream().wait_event(joined)
+# (OPENINFER_L2_WEIGHT_PREFETCH_MB, o_proj's last 16 / 32 / 48 MB into L2 during the MLA at b1, deleted: s15 D2 (H200,
+# results/kimi_layer_b1_s15d2_h200.json) 178.1 / 176.7, 179.4 / 180.0, 179.0 / 178.3 us vs 173.6 / 173.7 without.)
 
 
 def _add_bias(out: cupy.ndarray, bias: cupy.ndarray) -> None:

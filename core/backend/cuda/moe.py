@@ -228,15 +228,10 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # ring) runs as one wave of 448 blocks, each warp one walk of 32 chunks; gate_up (one wave) and the fused
     # SiLU·mul form as groups_xs. LANE_GROUPS_ONE_TOKEN since s15 D1.
     "groups_xs_rs": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1},
-    # ... with the warp asking L2 for the chunk 6 / 12 past each one the register ring loads (GROUPS_L2_PREFETCH,
-    # prefetch.global.L2, 3 a lane a chunk: DRAM reads in flight beyond the ring's 3 chunks a warp, from the block's
-    # start on, while it stages its activations); sm_90 ptxas 127 / 122 registers (pf / rs_pf), no spills. Slower:
-    # s15 D1 (H200, Kimi-K2 layer b1, graph, alternated; results/kimi_layer_b1_s15d1_h200.json) 184.8 / 184.7 (pf6),
-    # 187.0 / 187.3 (pf12), 182.5 / 182.1 (rs_pf6), 183.9 / 183.9 us (rs_pf12) vs groups_xs_rs 173.1 / 172.7.
-    "groups_xs_pf6": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_L2_PREFETCH": 6},
-    "groups_xs_pf12": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_L2_PREFETCH": 12},
-    "groups_xs_rs_pf6": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1, "GROUPS_L2_PREFETCH": 6},
-    "groups_xs_rs_pf12": {"GROUPS_XSMEM": 2, "GROUPS_ROTATE": 0, "GROUPS_ROW_STREAM": 1, "GROUPS_L2_PREFETCH": 12},
+    # (With the warp asking L2 for the chunk 6 / 12 past each one the register ring loads, GROUPS_L2_PREFETCH
+    # (prefetch.global.L2, 3 a lane a chunk), slower in s15 D1 (H200, Kimi-K2 layer b1, graph, alternated;
+    # results/kimi_layer_b1_s15d1_h200.json): 184.8 / 184.7 (groups_xs_pf6), 187.0 / 187.3 (pf12), 182.5 / 182.1
+    # (rs_pf6), 183.9 / 183.9 us (rs_pf12) vs groups_xs_rs 173.1 / 172.7; deleted.)
     # (Read at their mma, GROUPS_XSMEM_AT_USE: 93 / 80 registers, 5 / 6 blocks an SM; slower in s13 D3: gate_up / down
     # 38.9 / 24.9 and, ring of 2, 42.4 / 27.0 us vs 37.8 / 24.0; deleted.)
     # (Without the chunk walk's wrap test when unrotated, GROUPS_LINEAR_WALK, 97 -> 90 SASS instructions per KB: within
