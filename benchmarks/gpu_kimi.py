@@ -1148,6 +1148,8 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "gemv_cols1": "gemv_m1's warps own 1 column each ($OPENINFER_GEMV_M1_COLS=1; the default before s15)",
     "gemv_beside2": "the shared expert's gemv_m1 on the MoE side stream with at least 2 columns a warp "
                     "($OPENINFER_GEMV_M1_COLS_BESIDE=2)",
+    "gemv_beside1": "$OPENINFER_GEMV_M1_COLS_BESIDE=1 (the shared expert's gemv_m1 as elsewhere; before s15 D6)",
+    "gemv_beside4": "$OPENINFER_GEMV_M1_COLS_BESIDE=4",
     "gemv_cols2": "gemv_m1's warps own 2 columns each ($OPENINFER_GEMV_M1_COLS=2)",
     "gemv_cols4": "gemv_m1's warps own 4 columns each ($OPENINFER_GEMV_M1_COLS=4)",
     "absorb_small": "W_UK as mla_absorb_small instead of cuBLAS's batched GEMM ($OPENINFER_MLA_ABSORB_SMALL=1)",
@@ -1273,6 +1275,8 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "gemv_cols1": (cuda_linear.GEMV_M1_COLS_ENV, "1"), "gemv_cols2": (cuda_linear.GEMV_M1_COLS_ENV, "2"),
                 "gemv_cols4": (cuda_linear.GEMV_M1_COLS_ENV, "4"),
                 "gemv_beside2": (cuda_linear.GEMV_M1_COLS_BESIDE_ENV, "2"),
+                "gemv_beside1": (cuda_linear.GEMV_M1_COLS_BESIDE_ENV, "1"),
+                "gemv_beside4": (cuda_linear.GEMV_M1_COLS_BESIDE_ENV, "4"),
                 "absorb_small": (cuda_mla.ABSORB_SMALL_ENV, "1"), "expand_small": (cuda_mla.EXPAND_SMALL_ENV, "1"),
                 "mla_pdl": (cuda_mla.PDL_ENV, "1"),
                 "shared_after_route": (cuda_moe.SHARED_AFTER_ROUTE_ENV, "1"),

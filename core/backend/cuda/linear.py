@@ -44,10 +44,12 @@ DEFAULT_GEMV_M1_COLS = "auto"
 GEMV_M1_BLOCKS_PER_SM = 5  # gemv_m1 at 48 registers x 256 threads (sm_90a ptxas)
 # $OPENINFER_GEMV_M1_COLS_BESIDE (1, 2 or 4; unset: DEFAULT_GEMV_M1_COLS_BESIDE): the fewest columns a warp of gemv_m1
 # owns where it runs beside other work (``gemv_beside_other_work``: the shared experts on the MoE side stream, beside
-# the routing and the routed experts), so that its narrower grid leaves SMs and bandwidth to the critical path.
-# Opt-in until measured.
+# the routing and the routed experts), so that its narrower grid leaves SMs and bandwidth to the critical path. 2
+# since s15 D6 (H200, Kimi-K2 layer b1 graph, three alternations, results/kimi_layer_b1_s15d6_h200.json): 168.8 /
+# 167.7 / 169.1 us vs 172.2 / 172.2 / 174.9 with 1 (the shared gate_up, 512 blocks -> 256, beside moe_route_decode);
+# 2 columns everywhere 170.8 / 170.4 / 172.0, 1 everywhere 174.7 / 173.5 / 173.1.
 GEMV_M1_COLS_BESIDE_ENV = "OPENINFER_GEMV_M1_COLS_BESIDE"
-DEFAULT_GEMV_M1_COLS_BESIDE = 1
+DEFAULT_GEMV_M1_COLS_BESIDE = 2
 _beside_other_work = threading.local()
 NULL = np.uint64(0)
 # "1": the o_proj and down GEMMs add their product into the residual stream in place (cuBLAS
