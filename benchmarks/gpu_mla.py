@@ -21,7 +21,7 @@ whole forward beside it where it is short (``--prefill-absorbed``).
     python benchmarks/gpu_mla.py --dry-run                # the plan (points, variants, bytes, FLOPs); no GPU
 
 A decode variant is
-``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster[:balance[:barriers[:write_absorb[:rows[:expand[:pdl]]]]]]]]]]]]]``
+``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster[:balance[:barriers[:write_absorb[:rows[:expand]]]]]]]]]]]]``
 then any core switches as ``+OPENINFER_NAME=VALUE`` (e.g. ``auto+OPENINFER_MLA_FUSED_WRITE=1``):
 kernel ``auto``
 (what ships) or one of core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default) or the tma
@@ -30,9 +30,7 @@ largest cluster of splits combined on chip ($OPENINFER_MLA_TMA_CLUSTER: 2 / 4 / 
 over a ragged batch ($OPENINFER_MLA_TMA_BALANCE), barriers its block barriers per tile (1 / 2,
 $OPENINFER_MLA_TMA_BARRIERS); write_absorb 1 the latent write and W_UK in one kernel for small steps (any
 kernel, $OPENINFER_MLA_WRITE_ABSORB), rows 1 the tma kernel's whole-row TMA boxes ($OPENINFER_MLA_TMA_ROW_BOXES),
-expand 1 W_UV by mla_expand_small at <= 64 rows (any kernel, $OPENINFER_MLA_EXPAND_SMALL), pdl 1 the decode kernels
-chained by programmatic dependent launch ($OPENINFER_MLA_PDL; the graph replay shows it, the per-kernel times
-cannot); max_splits caps
+expand 1 W_UV by mla_expand_small at <= 64 rows (any kernel, $OPENINFER_MLA_EXPAND_SMALL); max_splits caps
 the context splits ($OPENINFER_MLA_MAX_SPLITS); policy mma_shared's split count (resident / waves,
 $OPENINFER_MLA_SHARED_SPLITS); combine the split combine (shared / loop / wide / flat, $OPENINFER_MLA_COMBINE);
 q_regs 1: mma_shared's query fragments in registers ($OPENINFER_MLA_SHARED_Q_REGS).
@@ -78,8 +76,8 @@ SM90_KEYS = ("128", "64")  # core's SM90_PREFILL_STAGES keys
 
 
 def parse_variants(text: str) -> list[dict]:
-    """``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster[:balance[:barriers[:write_absorb[:rows[:expand
-    [:pdl]]]]]]]]]]]]]`` comma list → dicts; bad names exit 2 (argparse)."""
+    """``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster[:balance[:barriers[:write_absorb[:rows
+    [:expand]]]]]]]]]]]]`` comma list → dicts; bad names exit 2 (argparse)."""
     variants = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         # any core switch after the fields: kernel[:...]+OPENINFER_X=V+OPENINFER_Y=W
@@ -91,11 +89,11 @@ def parse_variants(text: str) -> list[dict]:
                 raise ValueError(f"variant {item!r}: a switch is +OPENINFER_NAME=VALUE, got {switch!r}")
             extra[key] = value
         fields = item_fields.split(":")
-        if len(fields) > 14:
+        if len(fields) > 13:
             raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster"
-                             "[:balance[:barriers[:write_absorb[:rows[:expand[:pdl]]]]]]]]]]]]]")
-        (kernel, keys, splits, policy, combine, q_regs, stages, cluster, balance, barriers, write_absorb, rows, expand,
-         pdl) = (fields + [""] * 13)[:14]
+                             "[:balance[:barriers[:write_absorb[:rows[:expand]]]]]]]]]]]]")
+        (kernel, keys, splits, policy, combine, q_regs, stages, cluster, balance, barriers, write_absorb, rows,
+         expand) = (fields + [""] * 12)[:13]
         if kernel not in ("auto", *KERNELS):
             raise ValueError(f"variant {item!r}: kernel is auto or one of {', '.join(KERNELS)}")
         key_choices = TMA_KEYS if kernel == "tma" else SHARED_KEYS
@@ -115,8 +113,6 @@ def parse_variants(text: str) -> list[dict]:
             raise ValueError(f"variant {item!r}: rows (0 or 1) is the tma kernel's only")
         if expand not in ("", "0", "1"):
             raise ValueError(f"variant {item!r}: expand is 0 or 1")
-        if pdl not in ("", "0", "1"):
-            raise ValueError(f"variant {item!r}: pdl is 0 or 1")
         if splits and (not splits.isdigit() or int(splits) < 1):
             raise ValueError(f"variant {item!r}: max_splits is a positive integer")
         if policy and policy not in SPLIT_POLICIES:
@@ -128,7 +124,7 @@ def parse_variants(text: str) -> list[dict]:
         variants.append({"name": item, "kernel": kernel, "keys": keys, "max_splits": splits, "policy": policy,
                          "combine": combine, "q_regs": q_regs, "stages": stages, "cluster": cluster,
                          "balance": balance, "barriers": barriers, "write_absorb": write_absorb,
-                         "rows": rows, "expand": expand, "pdl": pdl, "switches": extra})
+                         "rows": rows, "expand": expand, "switches": extra})
     if not variants:
         raise ValueError("no variants")
     return variants
@@ -152,7 +148,7 @@ def variant_switches(variant: dict) -> dict[str, str]:
                 mla_decode_sm90.TMA_TILE_ENV: tma_tile_text(variant), mla_decode_sm90.TMA_CLUSTER_ENV: variant["cluster"],
                 mla_decode_sm90.TMA_BALANCE_ENV: variant["balance"], mla_decode_sm90.TMA_BARRIERS_ENV: variant["barriers"],
                 cuda_mla.WRITE_ABSORB_ENV: variant["write_absorb"], mla_decode_sm90.TMA_ROW_BOXES_ENV: variant["rows"],
-                cuda_mla.EXPAND_SMALL_ENV: variant["expand"], cuda_mla.PDL_ENV: variant["pdl"],
+                cuda_mla.EXPAND_SMALL_ENV: variant["expand"],
                 cuda_mla.MAX_SPLITS_ENV: variant["max_splits"],
                 cuda_mla.SHARED_SPLITS_ENV: variant["policy"], cuda_mla.COMBINE_ENV: variant["combine"],
                 cuda_mla.SHARED_Q_REGS_ENV: variant["q_regs"], **variant.get("switches", {})}
@@ -498,7 +494,7 @@ def main() -> None:
                         help="decode and/or prefill; warm: compile the MLA kernel modules only (CuPy's disk cache)")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
                         help="comma list of kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster"
-                             "[:balance[:barriers[:write_absorb[:rows[:expand[:pdl]]]]]]]]]]]]]")
+                             "[:balance[:barriers[:write_absorb[:rows[:expand]]]]]]]]]]]]")
     parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)))
     parser.add_argument("--ragged", action="store_true",
                         help="decode: contexts spread evenly over [c/8, 2c - c/8] (mean c) instead of all c")

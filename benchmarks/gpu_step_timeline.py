@@ -3,7 +3,7 @@ before it, read from a CUDA-graph replay (not the ledger's eager op-by-op replay
 switch sets A/B'd in one process (the same weights, the same machine).
 
     python benchmarks/gpu_step_timeline.py --random moonlight --batches 1,16,64 --context 1024 \\
-        --variant base= --variant mla_pdl=OPENINFER_MLA_PDL=1 --out timeline.json
+        --variant base= --variant expand_small=OPENINFER_MLA_EXPAND_SMALL=1 --out timeline.json
 
 For each variant (``name=ENV=VALUE,ENV=VALUE``; ``base=`` sets nothing) the switches are set, every asked
 bucket's decode graph is captured again (after one eager warm-up forward, so new kernels compile outside the

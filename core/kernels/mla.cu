@@ -63,7 +63,6 @@ extern "C" __global__ void mla_write_latent(const bf16* __restrict__ kv_a /* [T,
                                             bf16* __restrict__ cache) {
     __shared__ float scratch[32];
     const int t = blockIdx.x;
-    mla_pdl_enter();
     const int half = ROPE_DIM / 2;
     const float* cos_row = cos_table + (long long)positions[t] * half;
     const float* sin_row = sin_table + (long long)positions[t] * half;
@@ -91,7 +90,6 @@ extern "C" __global__ void mla_write_latent_q_pe(const bf16* __restrict__ kv_a /
                                                  const float* __restrict__ sin_table, bf16* __restrict__ cache) {
     __shared__ float scratch[32];
     const int t = blockIdx.x;
-    mla_pdl_enter();
     const int half = ROPE_DIM / 2;
     const float* cos_row = cos_table + (long long)positions[t] * half;
     const float* sin_row = sin_table + (long long)positions[t] * half;
@@ -186,8 +184,7 @@ __device__ __forceinline__ void mla_absorb_weights(uint4 (&w)[ABSORB_ROWS], cons
 
 // W_UK alone for small steps (q_latent[t, h] = q_nope[t, h] · W_UK[h], at most ABSORB_MAX_TOKENS rows; rows of q
 // q_token_stride elements apart: a row view of the projection is read in place): mla_write_absorb's blocks without
-// the latent write (mla_attention_tma does it under TMA_FUSED_WRITE). The weights are loaded before the programmatic
-// wait (MLA_PDL): constant, their stream overlaps the kernel before. grid (num_heads, KV_LORA / 64), ABSORB_THREADS.
+// the latent write (mla_attention_tma does it under TMA_FUSED_WRITE). grid (num_heads, KV_LORA / 64), ABSORB_THREADS.
 #ifndef ABSORB_SMALL_TOKENS
 #define ABSORB_SMALL_TOKENS ABSORB_MAX_TOKENS  // the most rows of a mla_absorb_small build (core builds 4 and 16)
 #endif
@@ -196,10 +193,8 @@ mla_absorb_small(const bf16* __restrict__ q, int q_token_stride, int q_stride, i
                  const bf16* __restrict__ w_uk /* [H, NOPE_DIM, KV_LORA] */, bf16* __restrict__ q_latent) {
     __shared__ bf16 q_nope[ABSORB_SMALL_TOKENS][NOPE_DIM];
     __shared__ float warp_sums[ABSORB_THREADS / 32][ABSORB_SMALL_TOKENS][ABSORB_COLUMNS];
-    mla_pdl_launch_dependents();
     uint4 w[ABSORB_ROWS];
     mla_absorb_weights(w, w_uk, blockIdx.x, blockIdx.y);
-    mla_pdl_wait();
     mla_absorb_columns<ABSORB_SMALL_TOKENS>(w, q, q_token_stride, q_stride, num_heads, num_tokens, q_latent, blockIdx.x,
                                             blockIdx.y, q_nope, warp_sums);
 }
@@ -219,7 +214,6 @@ mla_write_absorb(const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __r
     __shared__ bf16 q_nope[ABSORB_MAX_TOKENS][NOPE_DIM];
     __shared__ float warp_sums[ABSORB_THREADS / 32][ABSORB_MAX_TOKENS][ABSORB_COLUMNS];
     __shared__ float scratch[32];
-    mla_pdl_enter();
     const int h = blockIdx.x, c = blockIdx.y, rope_half = ROPE_DIM / 2;
     uint4 w[ABSORB_ROWS];
     mla_absorb_weights(w, w_uk, h, c);
@@ -261,9 +255,7 @@ mla_expand_small(const bf16* __restrict__ o_latent /* [T, H, KV_LORA] */, const 
     const int h = blockIdx.x, column0 = blockIdx.y * EXPAND_COLUMNS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group = lane >> 2, pair = (lane & 3) * 2;
     constexpr int STEPS = KV_LORA / EXPAND_WARPS / 16;
-    // every step's weight fragments (columns 8n + group, dims k0 (+1) and k0 + 8 (+9)) in flight together, and before
-    // the programmatic wait (MLA_PDL): W_UV is constant, its stream overlaps the kernel before
-    mla_pdl_launch_dependents();
+    // every step's weight fragments (columns 8n + group, dims k0 (+1) and k0 + 8 (+9)) in flight together
     const bf16* weights = w_uv + ((long long)h * V_DIM + column0) * KV_LORA;
     unsigned b[STEPS][2][2];
 #pragma unroll
@@ -274,7 +266,6 @@ mla_expand_small(const bf16* __restrict__ o_latent /* [T, H, KV_LORA] */, const 
             b[step][n][0] = *reinterpret_cast<const unsigned*>(row);
             b[step][n][1] = *reinterpret_cast<const unsigned*>(row + 8);
         }
-    mla_pdl_wait();
     float acc[EXPAND_MAX_TOKENS / 16][2][4];
 #pragma unroll
     for (int m = 0; m < EXPAND_MAX_TOKENS / 16; ++m)
@@ -394,7 +385,6 @@ mla_attention(const bf16* __restrict__ q_latent, const bf16* __restrict__ q, int
     int begin, end;
     const int* table = mla_split_context<TOKENS_PER_TILE>(query_start, num_seqs, block_tables, max_blocks_per_seq,
                                                           positions, step_token, num_splits, split, begin, end);
-    mla_pdl_enter();  // q_latent, q_pe, the new latent rows and every write: after the previous kernel
     mla_load_query_tile<bf16, HEADS_PER_BLOCK, LATENT, MLA_THREADS>(q_tile, q_latent, q, q_stride, q_pe_offset,
                                                                      t, num_heads, head0, heads);
     const int my_head = threadIdx.x / TOKENS_PER_TILE, my_token = threadIdx.x % TOKENS_PER_TILE;
@@ -452,7 +442,6 @@ extern "C" __global__ void mla_combine_splits(const float* __restrict__ partial_
                                               int num_splits, bf16* __restrict__ out) {
     const long long head = blockIdx.x;
     const float* ml = partial_ml + head * num_splits * 2;
-    mla_pdl_enter();
     if (ml[0] == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
     float m = -INFINITY;
     for (int z = 0; z < num_splits; ++z)
@@ -480,7 +469,6 @@ extern "C" __global__ void mla_combine_splits_shared(const float* __restrict__ p
     __shared__ float total_of_head;
     const long long head = blockIdx.x;
     const float* ml = partial_ml + head * num_splits * 2;
-    mla_pdl_enter();
     if (ml[0] == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
     if (threadIdx.x < 32) {
         float m = -INFINITY;
@@ -521,7 +509,6 @@ extern "C" __global__ void mla_combine_splits_wide(const float* __restrict__ par
     __shared__ float total_of_head;
     const long long head = blockIdx.x;
     const float* ml = partial_ml + head * num_splits * 2;
-    mla_pdl_enter();
     if (ml[0] == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
     if (threadIdx.x < 32) {
         float m = -INFINITY;
@@ -561,7 +548,6 @@ extern "C" __global__ void mla_combine_splits_wide(const float* __restrict__ par
 extern "C" __global__ void __launch_bounds__(COMBINE_FLAT_THREADS)
 mla_combine_splits_flat(const float* __restrict__ partial_o, const float* __restrict__ partial_ml, int num_splits,
                         int num_rows /* T·H */, bf16* __restrict__ out) {
-    mla_pdl_enter();
     const long long i = (long long)blockIdx.x * COMBINE_FLAT_THREADS + threadIdx.x;
     if (i >= (long long)num_rows * (KV_LORA / 4)) return;
     const long long head = i / (KV_LORA / 4);
@@ -938,7 +924,6 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     int begin, end;
     const int* table = mla_split_context<MMA_DECODE_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq,
                                                           positions, step_token, num_splits, split, begin, end);
-    mla_pdl_enter();  // q_latent, q_pe, the new latent rows and every write: after the previous kernel
 #if MLA_ASYNC_TILES
     if (begin >= end && num_splits > 1) {  // a split past a short context: no loads, its (max, sum) say empty
         if (part == 0)
@@ -1103,7 +1088,6 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
     int begin, end;
     const int* table = mla_split_context<MLA_SHARED_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq,
                                                           positions, step_token, num_splits, split, begin, end);
-    mla_pdl_enter();  // q_latent, q_pe, the new latent rows and every write: after the previous kernel
     if (begin >= end) {  // a split past a short context (num_splits > 1): its (max, sum) say empty
         for (int h = threadIdx.x; h < heads; h += MLA_SHARED_THREADS) {
             const long long head = (long long)t * num_heads + head0 + h;

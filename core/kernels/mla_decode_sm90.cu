@@ -198,9 +198,6 @@ __device__ __forceinline__ void query_fragments(unsigned (&qf)[SCORE_STEPS][4], 
 
 // grid (T, ceil(num_heads / 16), num_splits), TMA_THREADS threads, TMA_SMEM bytes of dynamic shared memory.
 // Arguments as mla_attention_mma_shared's, then the cache's tensor map (cache_map).
-#ifndef MLA_PDL_EARLY_TILES
-#define MLA_PDL_EARLY_TILES 0  // 1 (OPENINFER_MLA_PDL_EARLY_TILES, with MLA_PDL): see mla_pdl_enter's call below
-#endif
 extern "C" __global__ void TMA_CLUSTER_ATTRIBUTE __launch_bounds__(TMA_THREADS)
 mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q, int q_stride, int q_pe_offset,
                   const bf16* __restrict__ cache, const int* __restrict__ block_tables, int max_blocks_per_seq,
@@ -267,31 +264,6 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         for (int s = 0; s < TMA_STAGES; ++s) mbar_init(bars + 8 * s, 1);
         mbar_init_fence();
     }
-    // MLA_PDL: the set-up above overlaps the previous kernel (it reads only the step's inputs: token list, query
-    // starts, positions, block tables; it writes only shared memory); the queries (q_latent, q), the new latent rows
-    // (the first tiles' copies; under TMA_FUSED_WRITE kv_a's own row) and every global write (the cache slot, the
-    // outputs, an empty split's (max, sum)) come after mla_pdl_enter's wait. With MLA_PDL_EARLY_TILES the first tiles
-    // wholly before this step's first new position of the sequence (cache rows earlier steps wrote; the previous
-    // kernels write only the step's own rows) are copied before the wait: the key stream starts while the latent write
-    // still runs.
-    int early_tiles = 0;
-#if MLA_PDL && MLA_PDL_EARLY_TILES
-    if (threadIdx.x == 0 && num_tiles > 0) {
-#if TMA_FUSED_WRITE  // the own row, the step's only new one, is patched in shared memory: every copied tile may go
-        const int first_new = context + TMA_KEYS - 2;  // (not a tile of the own row alone: `begin + i·KEYS < context − 1`)
-#else
-        const int seq = (int)((table - block_tables) / max_blocks_per_seq);
-        const int first_new = positions[query_start[seq]];  // the sequence's first token in this step
-#endif
-        for (; early_tiles < TMA_STAGES && early_tiles < num_tiles &&
-               begin + (early_tiles + 1) * TMA_KEYS <= first_new; ++early_tiles) {
-            int rows[TMA_KEYS / TMA_BOX_ROWS];
-            tile_rows(rows, table, block_size, begin + early_tiles * TMA_KEYS, end);
-            issue_tile(base + early_tiles * TILE_BYTES, bars + 8 * early_tiles, rows, &cache_map);
-        }
-    }
-#endif
-    mla_pdl_enter();
     if (TMA_CLUSTER == 1 && begin >= end) {  // a split past a short context (num_splits > 1): its (max, sum) say empty
         for (int h = threadIdx.x; h < heads; h += TMA_THREADS) {
             const long long head = (long long)t * num_heads + head0 + h;
@@ -301,7 +273,7 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         return;  // block-uniform
     }
     if (threadIdx.x == 0 && num_tiles > 0) {
-        for (int i = early_tiles; i < TMA_STAGES && i < num_tiles; ++i) {
+        for (int i = 0; i < TMA_STAGES && i < num_tiles; ++i) {
             if (TMA_FUSED_WRITE && begin + i * TMA_KEYS == context - 1) break;  // the own row alone: from shared memory
             int rows[TMA_KEYS / TMA_BOX_ROWS];
             tile_rows(rows, table, block_size, begin + i * TMA_KEYS, end);

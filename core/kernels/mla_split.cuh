@@ -3,32 +3,6 @@
 // its causal context one split covers; the online softmax of one key tile of mma fragments.
 #pragma once
 
-// MLA_PDL=1 (core's $OPENINFER_MLA_PDL): programmatic dependent launch between the decode kernels of one step.
-// Every CTA lets the stream's next kernel launch at once (griddepcontrol.launch_dependents: its CTAs take the
-// SMs this grid leaves and get past their launch and index arithmetic while this one runs), and a kernel
-// launched with programmatic stream serialization waits in griddepcontrol.wait for the previous grid to end
-// and its writes to be visible. Each kernel calls mla_pdl_wait before its first read of anything an earlier
-// kernel of the step wrote and before its first global write; launched plainly the wait returns at once.
-// Off (and on the host stand-in): nothing.
-#ifndef MLA_PDL
-#define MLA_PDL 0
-#endif
-__device__ __forceinline__ void mla_pdl_wait() {
-#if MLA_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void mla_pdl_launch_dependents() {
-#if MLA_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-// Both, at the top of a kernel whose reads before this point are the step's inputs only (positions, tables).
-__device__ __forceinline__ void mla_pdl_enter() {
-    mla_pdl_launch_dependents();
-    mla_pdl_wait();
-}
-
 // The block table of step token `step_token`'s sequence (query_start[s] <= step_token <
 // query_start[s + 1], binary search) and this split's slice [begin, end) of its causal context
 // (positions[step_token] + 1 tokens), in whole TILE-key steps.

@@ -543,8 +543,8 @@ def _decode_rows(name: str) -> tuple[list[int], list[int]]:
 
 
 def _stream_forward(cuda_backend, spec, step, device_cache, kernel, graph: bool):
-    """``mla_forward`` of ``step`` on a non-blocking stream (where the PDL launches apply), eager or captured in a
-    CUDA graph and replayed on fresh inputs; the output on the host."""
+    """``mla_forward`` of ``step`` on a non-blocking stream, eager or captured in a CUDA graph and replayed on fresh
+    inputs; the output on the host."""
     from openinfer.backend.cuda.mla import mla_forward
 
     batch, _, q, latent, norm, weights, rope = step[:7]
@@ -575,46 +575,12 @@ def _stream_forward(cuda_backend, spec, step, device_cache, kernel, graph: bool)
     return cuda_backend.to_host(out)
 
 
-@pytest.mark.parametrize("heads", [16, 64])
-@pytest.mark.parametrize("decodes", ["ragged", "one-long", "sixteen", "sixty-four"])
-@pytest.mark.parametrize("chain", ["cublas", "fused"])
-@pytest.mark.parametrize("kernel", [None, "tma"])
-def test_pdl_decode_bit_equal_to_plain_launches(cuda_backend, rng, monkeypatch, heads, decodes, chain, kernel):
-    """$OPENINFER_MLA_PDL=1 (the decode kernels built with MLA_PDL, the attention, combine and mla_expand_small
-    launched with programmatic stream serialization): the plain launches' bits, eager on a stream and as a replayed
-    CUDA graph, with the latent write and W_UK as two launches (cuBLAS) or as mla_write_absorb + mla_expand_small
-    ("fused", up to their row limits); and the NumPy reference's output within bf16."""
-    from openinfer.backend.cuda import mla as cuda_mla
-
-    if kernel == "tma" and not _hopper():
-        pytest.skip("the TMA decode kernel needs compute capability 9.0")
-    monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "1" if chain == "fused" else "0")
-    monkeypatch.setenv(cuda_mla.EXPAND_SMALL_ENV, "1" if chain == "fused" else "0")
-    spec = _spec(heads)
-    cached, new = _decode_rows(decodes)
-    step = ragged_mla_step(rng, spec, cached, new, BLOCK_SIZE)
-    reference = step[7]
-    device_cache = cuda_backend.upload(step[1]).reshape(step[1].shape[0], BLOCK_SIZE, 1, spec.latent_dim)
-    monkeypatch.setenv(cuda_mla.PDL_ENV, "0")
-    plain = _stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=False)
-    assert relative_error(plain, reference) < BF16_TOL
-    monkeypatch.setenv(cuda_mla.PDL_ENV, "1")
-    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=False), plain)
-    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=True), plain)
-
-
-def test_pdl_switch_and_launch_arguments(monkeypatch):
-    """$OPENINFER_MLA_PDL is 0 or 1 (a clear error else); the launcher refuses Python numbers (no width)."""
+def test_combine_switch_and_launch_arguments(monkeypatch):
+    """$OPENINFER_MLA_COMBINE's choice (a clear error for an unknown kernel); the programmatic launcher
+    (pdl_launch, the MoE's) refuses Python numbers (no width)."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda.pdl_launch import kernel_argument
 
-    monkeypatch.delenv(cuda_mla.PDL_ENV, raising=False)
-    assert cuda_mla.pdl() == (cuda_mla.DEFAULT_PDL and _hopper())
-    monkeypatch.setenv(cuda_mla.PDL_ENV, "1")
-    assert cuda_mla.pdl() == _hopper()
-    monkeypatch.setenv(cuda_mla.PDL_ENV, "on")
-    with pytest.raises(ValueError, match="OPENINFER_MLA_PDL"):
-        cuda_mla.pdl()
     with pytest.raises(TypeError, match="NumPy"):
         kernel_argument(3)
     # the combine: flat up to 4 splits, wide past them, unless forced
@@ -636,7 +602,8 @@ def test_pdl_switch_and_launch_arguments(monkeypatch):
 def test_flat_combine_equals_wide(cuda_backend, rng, monkeypatch, kernel, decodes, heads, balance):
     """mla_combine_splits_flat ($OPENINFER_MLA_COMBINE=flat: a thread per 4 dims, 16 splits' rows loaded together)
     gives the wide combine's bits: ragged batches split 1 to 64 ways (many splits empty, chunks of 16 splits
-    partly past the last), partial head blocks, tokens the balanced tma kernel wrote whole; with PDL too."""
+    partly past the last), partial head blocks, tokens the balanced tma kernel wrote whole; as a replayed CUDA
+    graph too."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import mla_decode_sm90
 
@@ -657,39 +624,7 @@ def test_flat_combine_equals_wide(cuda_backend, rng, monkeypatch, kernel, decode
                                                       weights, rope, kernel))
     assert np.array_equal(outs["flat"], outs["wide"])
     assert relative_error(outs["flat"], reference) < BF16_TOL
-    monkeypatch.setenv(cuda_mla.PDL_ENV, "1")
     assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=True), outs["wide"])
-
-
-@pytest.mark.parametrize("decodes", ["ragged", "one-long", "sixteen", "sixty-four", "chunks"])
-@pytest.mark.parametrize("chain", ["cublas", "fused"])
-def test_pdl_early_tiles_bit_equal_to_plain_launches(cuda_backend, rng, monkeypatch, decodes, chain):
-    """$OPENINFER_MLA_PDL_EARLY_TILES=1 with $OPENINFER_MLA_PDL=1: the TMA decode kernel copies the tiles wholly before
-    each sequence's new row before its griddepcontrol.wait; the plain launches' bits, eager on a stream and as a
-    replayed CUDA graph (the new rows are written by the kernels before it in the same step); a bad value is a clear
-    error."""
-    from openinfer.backend.cuda import mla as cuda_mla
-    from openinfer.backend.cuda import mla_decode_sm90
-
-    if not _hopper():
-        pytest.skip("the TMA decode kernel needs compute capability 9.0")
-    monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "1" if chain == "fused" else "0")
-    monkeypatch.setenv(cuda_mla.EXPAND_SMALL_ENV, "1" if chain == "fused" else "0")
-    spec = _spec(16)
-    # "chunks": several new rows per sequence (short chunks stay absorbed), the early tiles end before the first
-    cached, new = ([40, 100, 33, 64], [3, 5, 2, 1]) if decodes == "chunks" else _decode_rows(decodes)
-    step = ragged_mla_step(rng, spec, cached, new, BLOCK_SIZE)
-    device_cache = cuda_backend.upload(step[1]).reshape(step[1].shape[0], BLOCK_SIZE, 1, spec.latent_dim)
-    monkeypatch.setenv(cuda_mla.PDL_ENV, "0")
-    plain = _stream_forward(cuda_backend, spec, step, device_cache, "tma", graph=False)
-    assert relative_error(plain, step[7]) < BF16_TOL
-    monkeypatch.setenv(cuda_mla.PDL_ENV, "1")
-    monkeypatch.setenv(mla_decode_sm90.EARLY_TILES_ENV, "1")
-    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, "tma", graph=False), plain)
-    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, "tma", graph=True), plain)
-    monkeypatch.setenv(mla_decode_sm90.EARLY_TILES_ENV, "2")
-    with pytest.raises(ValueError, match="OPENINFER_MLA_PDL_EARLY_TILES"):
-        mla_decode_sm90.early_tiles()
 
 
 @pytest.mark.parametrize("decodes", ["ragged", "sixteen", "sixty-four", "chunks"])
@@ -719,20 +654,17 @@ def test_absorb_side_bit_equal_to_one_stream(cuda_backend, rng, monkeypatch, dec
         cuda_mla.absorb_side()
 
 
-@pytest.mark.parametrize("view,write,pdl,staged", [("1", "0", "0", "0"), ("0", "1", "0", "0"), ("1", "1", "0", "1"),
-                                                   ("1", "1", "1", "1")])
-def test_tma_fused_write_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, view, write, pdl, staged):
-    """q read in place and the folded latent write (and with PDL, its tiles copied before the wait, W_UK by
-    mla_absorb_small; the query rows staged by 16-byte loads) captured in a CUDA graph and replayed: the eager step's
-    bits."""
+@pytest.mark.parametrize("view,write,absorb_small,staged", [("1", "0", "0", "0"), ("0", "1", "0", "0"),
+                                                            ("1", "1", "0", "1"), ("1", "1", "1", "1")])
+def test_tma_fused_write_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, view, write, absorb_small, staged):
+    """q read in place and the folded latent write (and W_UK by mla_absorb_small; the query rows staged by 16-byte
+    loads) captured in a CUDA graph and replayed: the eager step's bits."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import mla_decode_sm90
 
     if not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
-    monkeypatch.setenv(cuda_mla.PDL_ENV, pdl)
-    monkeypatch.setenv(mla_decode_sm90.EARLY_TILES_ENV, pdl)
-    monkeypatch.setenv(cuda_mla.ABSORB_SMALL_ENV, pdl)  # with PDL: W_UK by mla_absorb_small, its weights pre-wait
+    monkeypatch.setenv(cuda_mla.ABSORB_SMALL_ENV, absorb_small)
     monkeypatch.setenv(cuda_mla.Q_VIEW_ENV, view)
     monkeypatch.setenv(cuda_mla.FUSED_WRITE_ENV, write)
     monkeypatch.setenv(mla_decode_sm90.Q_TILE_ENV, staged)

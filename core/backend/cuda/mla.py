@@ -40,7 +40,6 @@ from openinfer.backend.base import ForwardBatch
 from openinfer.backend.cuda import mla_decode_sm90
 from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.loader import arch_kernel, kernel
-from openinfer.backend.cuda.pdl_launch import launch
 from openinfer.backend.cuda.tensor_maps import BOX_ELEMENTS, TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
 from openinfer.mla import MLASpec, decompressed_prefill_layout
 
@@ -130,9 +129,9 @@ FUSED_WRITE_MIN_ROWS = 1  # the default's fewest rows (the switch set to 1 takes
 WRITE_ABSORB_MAX_TOKENS = 16  # mla.cu ABSORB_MAX_TOKENS (each thread's accumulators: 16 rows x 8 columns)
 WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
 # Opt-in until a device A/B: $OPENINFER_MLA_ABSORB_SMALL=1 runs W_UK as mla_absorb_small (mla_write_absorb's blocks
-# without the write: each thread's W_UK rows as 16-byte vectors all in flight, loaded before the programmatic wait
-# under $OPENINFER_MLA_PDL) instead of cuBLAS's batched GEMM in steps of at most WRITE_ABSORB_MAX_TOKENS rows; q read
-# through its row stride. s12 D1 (H200, CUPTI): W_UK 3.3 us a layer at Moonlight b16; s12 D3: 4.6 us at Kimi b1 (8 MB).
+# without the write: each thread's W_UK rows as 16-byte vectors all in flight) instead of cuBLAS's batched GEMM
+# in steps of at most WRITE_ABSORB_MAX_TOKENS rows; q read through its row stride. s12 D1 (H200, CUPTI): W_UK
+# 3.3 us a layer at Moonlight b16; s12 D3: 4.6 us at Kimi b1 (8 MB).
 ABSORB_SMALL_ENV = "OPENINFER_MLA_ABSORB_SMALL"
 DEFAULT_ABSORB_SMALL = False
 # mla_absorb_small's builds by the most rows they take (ABSORB_SMALL_TOKENS): each row keeps 8 accumulators a thread,
@@ -142,21 +141,17 @@ ABSORB_SMALL_BUILDS = (4, WRITE_ABSORB_MAX_TOKENS)
 # from global memory) instead of cuBLAS's batched GEMM in steps of at most EXPAND_SMALL_MAX_TOKENS rows.
 EXPAND_SMALL_ENV = "OPENINFER_MLA_EXPAND_SMALL"
 EXPAND_SMALL_MAX_TOKENS, EXPAND_SMALL_COLUMNS, EXPAND_SMALL_THREADS = 64, 16, 128  # mla.cu EXPAND_*
-# Opt-in until measured: $OPENINFER_MLA_PDL=1 builds the decode kernels with MLA_PDL (mla_split.cuh: each CTA lets
-# the next kernel launch at once, and waits for the previous kernel before its dependent reads and its writes) and
-# launches the attention kernel, the split combine and mla_expand_small with programmatic stream serialization
-# (pdl_launch.py): each one's launch, CTA start and index set-up overlap the kernel before it, in eager steps and as
-# programmatic edges of a captured decode graph. The latent write / mla_write_absorb (after the projections) and
-# cuBLAS's GEMMs launch as before; clusters of the tma kernel (OPENINFER_MLA_TMA_CLUSTER) are not PDL-launched.
-# The same kernels and sums: bit-equal (GPU-tested).
-# s12 D1 (H200, benchmarks/gpu_step_timeline.py, results/timeline_moonlight_moon13_d1_h200.json: Moonlight decode graphs
-# re-captured in one process, b1 / b16 / b64 step vs the defaults, 2 rounds; noise ~1 %): MLA_PDL 0.990 / 1.000 / 1.006x,
-# EXPAND_SMALL 0.963 / 0.999 / 0.984x, PDL + WRITE_ABSORB + EXPAND_SMALL 0.997 / 0.947 / 0.974x, PDL + GATHER_Q (since deleted) +
-# EXPAND_SMALL 0.987 / 0.999 / 0.965x, TMA_CLUSTER=8 0.970 / 1.009 / 0.956x, =16 0.984 / 0.974 / 0.955x, MAX_SPLITS=8
-# 0.933 / 1.004 / 0.994x, =4 0.844 / 0.985 / 0.998x: all stay off. The CUPTI timeline of the b16 graph: attention 16.6,
-# write_latent 4.0, W_UK 3.3, combine 3.6, W_UV 3.3 us a layer, ~0.1 us between kernels.
-PDL_ENV = "OPENINFER_MLA_PDL"
-DEFAULT_PDL = False
+# Deleted in s15: $OPENINFER_MLA_PDL (opt-in PDL of the decode kernels), within noise and racy. s15 D2 (H200,
+# Kimi-K2 layer b1 graph, results/kimi_layer_b1_s15d2_h200.json) 173.5 / 174.1 us vs 173.6 / 173.7 without;
+# s12 D1 Moonlight b1 / b16 / b64 0.990 / 1.000 / 1.006x. s15 D6a (H200): test_pdl_decode_bit_equal_to_plain_
+# launches[tma-fused-ragged-16] read zeros in graph replay (read before its producer ended; s13 D4: 2 more).
+# s12 D1 (H200, benchmarks/gpu_step_timeline.py, results/timeline_moonlight_moon13_d1_h200.json: Moonlight
+# decode graphs re-captured in one process, b1 / b16 / b64 step vs the defaults, 2 rounds; noise ~1 %):
+# EXPAND_SMALL 0.963 / 0.999 / 0.984x, PDL + WRITE_ABSORB + EXPAND_SMALL 0.997 / 0.947 / 0.974x, PDL +
+# GATHER_Q (since deleted) + EXPAND_SMALL 0.987 / 0.999 / 0.965x, TMA_CLUSTER=8 0.970 / 1.009 / 0.956x, =16
+# 0.984 / 0.974 / 0.955x, MAX_SPLITS=8 0.933 / 1.004 / 0.994x, =4 0.844 / 0.985 / 0.998x: all stay off. The
+# CUPTI timeline of the b16 graph: attention 16.6, write_latent 4.0, W_UK 3.3, combine 3.6, W_UV 3.3 us a
+# layer, ~0.1 us between kernels.
 # Defaults since E3 (H200, 2026-11-24; both bit-equal to the kernels before, GPU-tested): mla_attention_mma
 # with its query and key tiles copied by cp.async (every 16-byte copy of a tile in flight at once) and
 # splits past a short context leaving at once (OPENINFER_MLA_ASYNC_TILES=0: the plain loads), and
@@ -293,30 +288,6 @@ def resident_splits(num_tokens: int, head_chunks: int, num_sms: int, blocks_per_
 def _defines(spec: MLASpec) -> dict[str, int]:
     return {"KV_LORA": spec.kv_lora_rank, "ROPE_DIM": spec.qk_rope_dim, "NOPE_DIM": spec.qk_nope_dim,
             "V_DIM": spec.v_head_dim}
-
-
-def pdl() -> bool:
-    """Whether the decode kernels run with programmatic dependent launch ($OPENINFER_MLA_PDL, else DEFAULT_PDL;
-    compute capability 9.0 and later only: griddepcontrol is Hopper's). Asked at every launch: the answer is kept
-    per value of the switch (``_pdl_for``), so a launch reads one environment entry."""
-    return _pdl_for(os.environ.get(PDL_ENV) or str(int(DEFAULT_PDL)))
-
-
-@functools.cache
-def _pdl_for(text: str) -> bool:
-    if text not in ("0", "1"):
-        raise ValueError(f"{PDL_ENV} is 0 or 1; got {text!r}")
-    return text == "1" and _has_pdl(cupy.cuda.Device().id)
-
-
-@functools.cache
-def _has_pdl(device_id: int) -> bool:
-    return int(cupy.cuda.Device(device_id).compute_capability) >= 90
-
-
-def _decode_defines(spec: MLASpec) -> dict[str, int]:
-    """``_defines`` of the absorbed decode's kernels, with MLA_PDL=1 under $OPENINFER_MLA_PDL (a build of its own)."""
-    return {**_defines(spec), **({"MLA_PDL": 1} if pdl() else {})}
 
 
 def check_spec(spec: MLASpec) -> None:
@@ -496,7 +467,7 @@ def write_latent(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_
     # in 16 dependent in-place rounds)
     spread = os.environ.get(SPREAD_ROPE_ENV, "1") not in ("0", "false", "off")
     rope_blocks = -(-heads * spec.qk_rope_dim // 2 // 128) if spread else 1
-    kernel("mla.cu", "mla_write_latent", **_decode_defines(spec))((int(q.shape[0]), rope_blocks), (128,), (
+    kernel("mla.cu", "mla_write_latent", **_defines(spec))((int(q.shape[0]), rope_blocks), (128,), (
         latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
         np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), batch.positions, batch.slot_mapping, cos, sin, cache))
 
@@ -545,7 +516,7 @@ def write_latent_q_pe(q_rows: cupy.ndarray, latent: cupy.ndarray, cache: cupy.nd
     q_pe = cupy.empty((int(q_rows.shape[0]), heads, spec.qk_rope_dim), dtype=cupy.uint16)
     spread = os.environ.get(SPREAD_ROPE_ENV, "1") not in ("0", "false", "off")
     rope_blocks = -(-heads * spec.qk_rope_dim // 2 // 128) if spread else 1
-    kernel("mla.cu", "mla_write_latent_q_pe", **_decode_defines(spec))((int(q_rows.shape[0]), rope_blocks), (128,), (
+    kernel("mla.cu", "mla_write_latent_q_pe", **_defines(spec))((int(q_rows.shape[0]), rope_blocks), (128,), (
         latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q_rows, np.int32(q_rows.strides[0] // 2),
         q_pe, np.int32(heads), np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), batch.positions,
         batch.slot_mapping, cos, sin, cache))
@@ -569,7 +540,7 @@ def write_latent_absorb(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarr
     (q's rope dims rotated in place, the latent rows stored)."""
     num_tokens, heads = int(q.shape[0]), spec.num_heads
     q_latent = cupy.empty((num_tokens, heads, spec.kv_lora_rank), dtype=cupy.uint16)
-    kernel("mla.cu", "mla_write_absorb", **_decode_defines(spec))(
+    kernel("mla.cu", "mla_write_absorb", **_defines(spec))(
         (heads, spec.kv_lora_rank // WRITE_ABSORB_COLUMNS), (WRITE_ABSORB_THREADS,),
         (latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
          np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), np.int32(num_tokens), w_uk, q_latent, batch.positions,
@@ -639,7 +610,7 @@ def shared_q_regs(spec: MLASpec) -> bool:
 def _shared_decode_kernel(spec: MLASpec, keys: int):
     smem = shared_decode_smem(spec, keys)
     q_regs = {"MLA_SHARED_Q_REGS": 1} if shared_q_regs(spec) else {}
-    attention = kernel("mla.cu", "mla_attention_mma_shared", **_decode_defines(spec), MLA_SHARED_KEYS=keys, **q_regs)
+    attention = kernel("mla.cu", "mla_attention_mma_shared", **_defines(spec), MLA_SHARED_KEYS=keys, **q_regs)
     if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
         attention.max_dynamic_shared_size_bytes = smem
         _smem_set[id(attention)] = attention
@@ -660,7 +631,7 @@ def combine_kernel(splits: int = 1) -> str:
 def _mma_decode_kernel(spec: MLASpec, blocks_of_16: bool):
     """The compiled kernel, allowed its dynamic shared memory (Q tile + one key tile, > 48 KB)."""
     smem = ((16 if blocks_of_16 else MMA_DECODE_HEADS) + MMA_DECODE_KEYS) * (spec.latent_dim + 8) * 2
-    attention = kernel("mla.cu", "mla_attention_mma", **_decode_defines(spec),
+    attention = kernel("mla.cu", "mla_attention_mma", **_defines(spec),
                        **({"MLA_ASYNC_TILES": 1} if async_tiles() else {}),
                        **({"MLA_HEADS16": 1} if blocks_of_16 else {}))
     # under discover_kernels `attention` is a stand-in that launches nothing: nothing to allow yet
@@ -688,11 +659,10 @@ def absorb_queries(blas: Cublas, q: cupy.ndarray, w_uk: cupy.ndarray, spec: MLAS
     q_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
     if absorb_small_fits(num_tokens, spec):
         most = ABSORB_SMALL_BUILDS[0] if num_tokens <= ABSORB_SMALL_BUILDS[0] else ABSORB_SMALL_BUILDS[1]
-        launch(kernel("mla.cu", "mla_absorb_small", **_decode_defines(spec), ABSORB_SMALL_TOKENS=most),
-               (heads, lora // WRITE_ABSORB_COLUMNS),
-               (WRITE_ABSORB_THREADS,), (q, np.int32(q.strides[0] // q.itemsize), np.int32(spec.qk_head_dim),
-                                         np.int32(heads), np.int32(num_tokens), w_uk, q_latent),
-               after_previous=pdl())
+        kernel("mla.cu", "mla_absorb_small", **_defines(spec), ABSORB_SMALL_TOKENS=most)(
+            (heads, lora // WRITE_ABSORB_COLUMNS), (WRITE_ABSORB_THREADS,),
+            (q, np.int32(q.strides[0] // q.itemsize), np.int32(spec.qk_head_dim), np.int32(heads),
+             np.int32(num_tokens), w_uk, q_latent))
         return q_latent
     # q_latent_h^T [lora x T] = W_UK[h]^T [lora x nope] . q_nope_h^T [nope x T]   (column-major)
     row_stride = q.strides[0] // q.itemsize  # heads·(nope+rope) for a contiguous q; a row view's own stride
@@ -734,11 +704,10 @@ def combine_splits(partials: SplitPartials, o_latent: cupy.ndarray, spec: MLASpe
     args = (partials.partial_o, partials.partial_ml, np.int32(partials.splits))
     if name == COMBINE_KERNELS["flat"]:
         grid = -(-rows * (spec.kv_lora_rank // 4) // COMBINE_FLAT_THREADS)
-        launch(kernel("mla.cu", name, **_decode_defines(spec)), (grid,), (COMBINE_FLAT_THREADS,),
-               (*args, np.int32(rows), o_latent), after_previous=pdl())
+        kernel("mla.cu", name, **_defines(spec))((grid,), (COMBINE_FLAT_THREADS,), (*args, np.int32(rows), o_latent))
         return
     grid = (rows, -(-spec.kv_lora_rank // COMBINE_WIDE_DIMS)) if name == COMBINE_KERNELS["wide"] else (rows,)
-    launch(kernel("mla.cu", name, **_decode_defines(spec)), grid, (128,), (*args, o_latent), after_previous=pdl())
+    kernel("mla.cu", name, **_defines(spec))(grid, (128,), (*args, o_latent))
 
 
 def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, spec: MLASpec, batch,
@@ -784,12 +753,8 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
             splits = max(splits, mla_decode_sm90.BALANCE_MIN_SPLITS)
             balance_slots = max(1, blocks_per_sm * num_sms // head_chunks)
         staged_q = mla_decode_sm90.q_tile(latent_write is not None) and mla_decode_sm90.q_tile_fits(spec, q, *q_layout)
-        # with the fused latent write never PDL-launched: so launched it read stale inputs (the since-deleted opt-in
-        # OPENINFER_MLA_PDL_FUSED_WRITE's GPU test with a late writer, test_tma_fused_write_pdl_waits_for_late_inputs,
-        # failed in s15 D1, H200, case cublas-1-ragged-16; s13 D4 had 2 failures under graph replay; cause not found)
-        tma_pdl = pdl() and cluster == 1 and latent_write is None
-        tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, tma_pdl,
-                                                                    latent_write is not None, staged_q)
+        tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, latent_write is not None,
+                                                                    staged_q)
     else:
         splits = num_splits(num_tokens, head_chunks, num_sms)
     combined_on_chip = cluster > 1
@@ -808,16 +773,15 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
             write_args = (w.latent, np.int32(w.latent.strides[0] // 2), w.kv_a_norm, np.float32(w.eps),
                           batch.slot_mapping, w.cos, w.sin, np.int32(q.strides[0] // 2))
         mla_decode_sm90.launch_tma_decode(tma_attention, tma_smem, (num_tokens, head_chunks, splits), args, cache,
-                                          balance_slots, after_previous=tma_pdl, write_args=write_args)
+                                          balance_slots, write_args=write_args)
     elif name == "mma_shared":
         attention, smem = _shared_decode_kernel(spec, keys)
-        launch(attention, (num_tokens, head_chunks, splits), (SHARED_THREADS,), args, smem, after_previous=pdl())
+        attention((num_tokens, head_chunks, splits), (SHARED_THREADS,), args, shared_mem=smem)
     elif name in ("mma", "mma16"):
         attention, smem = _mma_decode_kernel(spec, blocks_of_16)
-        launch(attention, (num_tokens, head_chunks, splits), (MMA_DECODE_THREADS,), args, smem, after_previous=pdl())
+        attention((num_tokens, head_chunks, splits), (MMA_DECODE_THREADS,), args, shared_mem=smem)
     else:
-        launch(kernel("mla.cu", "mla_attention", **_decode_defines(spec)), (num_tokens, head_chunks, splits),
-               (MLA_THREADS,), args, after_previous=pdl())
+        kernel("mla.cu", "mla_attention", **_defines(spec))((num_tokens, head_chunks, splits), (MLA_THREADS,), args)
     return o_latent, SplitPartials(partial_o, partial_ml, splits) if splits > 1 and not combined_on_chip else None
 
 
@@ -835,9 +799,9 @@ def expand_values(blas: Cublas, o_latent: cupy.ndarray, w_uv: cupy.ndarray, spec
     """W_UV: ``out [T, H·v]`` from ``o_latent [T, H, lora]`` (one strided-batched GEMM, or mla_expand_small)."""
     num_tokens, heads, v, lora = int(o_latent.shape[0]), spec.num_heads, spec.v_head_dim, spec.kv_lora_rank
     if expand_small_fits(num_tokens, spec):
-        launch(kernel("mla.cu", "mla_expand_small", **_decode_defines(spec)), (heads, v // EXPAND_SMALL_COLUMNS),
-               (EXPAND_SMALL_THREADS,), (o_latent, w_uv, np.int32(num_tokens), np.int32(heads), out),
-               after_previous=pdl())
+        kernel("mla.cu", "mla_expand_small", **_defines(spec))(
+            (heads, v // EXPAND_SMALL_COLUMNS), (EXPAND_SMALL_THREADS,),
+            (o_latent, w_uv, np.int32(num_tokens), np.int32(heads), out))
         return
     # o_h^T [v x T] = W_UV[h] [v x lora] . o_latent_h^T [lora x T]
     blas.matmul_strided_batched(True, False, v, num_tokens, lora, w_uv, lora, v * lora,

@@ -18,7 +18,6 @@ import cupy
 import numpy as np
 
 from openinfer.backend.cuda.loader import arch_kernel
-from openinfer.backend.cuda.pdl_launch import launch
 from openinfer.backend.cuda.tensor_maps import BOX_ELEMENTS, TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
 from openinfer.mla import MLASpec
 
@@ -213,38 +212,18 @@ def tma_blocks_per_sm_of(spec: MLASpec, write: bool = False) -> int:
     return tma_blocks_per_sm(tma_decode_smem(spec, *tma_tile(), tma_one_barrier(), q_tile(write)))
 
 
-# Opt-in, not measured at model level ($OPENINFER_MLA_PDL_EARLY_TILES=1, with $OPENINFER_MLA_PDL; s12 D1 measured the
-# PDL chain it needs, MLA_PDL + WRITE_ABSORB + EXPAND_SMALL, at 0.947x of the b16 step): the PDL build copies the first
-# tiles that lie wholly before the sequence's first new position of the step (rows earlier steps wrote) before its
-# griddepcontrol.wait (mla_decode_sm90.cu MLA_PDL_EARLY_TILES), so the key stream overlaps the kernel before it (the
-# latent write or W_UK). The same bits. With the latent write folded in (core's $OPENINFER_MLA_FUSED_WRITE) every tile
-# of the ring goes before the wait (the step's own row is patched in shared memory): the whole first ring in flight
-# while W_UK runs.
-EARLY_TILES_ENV = "OPENINFER_MLA_PDL_EARLY_TILES"
-
-
-def early_tiles() -> bool:
-    """$OPENINFER_MLA_PDL_EARLY_TILES (0 / 1; unset: 0; another value: a clear error)."""
-    text = os.environ.get(EARLY_TILES_ENV) or "0"
-    if text not in ("0", "1"):
-        raise ValueError(f"{EARLY_TILES_ENV} is 0 or 1; got {text!r}")
-    return text == "1"
-
-
-def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False, write: bool = False,
+def tma_decode_kernel(spec: MLASpec, cluster: int = 1, write: bool = False,
                       staged_q: bool = False) -> tuple[object, int]:
     """The compiled kernel for the current tile choice and ``cluster`` (tma_cluster), and its shared memory;
-    ``pdl``: built with MLA_PDL (core's $OPENINFER_MLA_PDL, programmatic dependent launch), and with
-    MLA_PDL_EARLY_TILES where ``early_tiles``; ``write``: with TMA_FUSED_WRITE (the latent write and q's rope folded
-    in: core's $OPENINFER_MLA_FUSED_WRITE); ``staged_q``: with TMA_Q_TILE (``q_tile``)."""
+    ``write``: with TMA_FUSED_WRITE (the latent write and q's rope folded in: core's $OPENINFER_MLA_FUSED_WRITE);
+    ``staged_q``: with TMA_Q_TILE (``q_tile``)."""
     keys, stages = tma_tile()
     one_barrier = tma_one_barrier()
     smem = tma_decode_smem(spec, keys, stages, one_barrier, staged_q)
     attention = arch_kernel("mla_decode_sm90.cu", "mla_attention_tma", "sm_90a", smem, KV_LORA=spec.kv_lora_rank,
                             ROPE_DIM=spec.qk_rope_dim, TMA_KEYS=keys, TMA_STAGES=stages, TMA_CLUSTER=cluster,
                             TMA_ONE_BARRIER=int(one_barrier), TMA_ROW_BOXES=int(tma_row_boxes()),
-                            **({"TMA_FUSED_WRITE": 1} if write else {}), **({"TMA_Q_TILE": 1} if staged_q else {}),
-                            **({"MLA_PDL": 1, **({"MLA_PDL_EARLY_TILES": 1} if early_tiles() else {})} if pdl else {}))
+                            **({"TMA_FUSED_WRITE": 1} if write else {}), **({"TMA_Q_TILE": 1} if staged_q else {}))
     ptr = getattr(attention, "ptr", None)  # None: a discover_kernels stand-in
     if cluster > 8 and ptr is not None and ptr not in _non_portable_allowed:
         cupy.cuda.driver.funcSetAttribute(ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
@@ -253,14 +232,12 @@ def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False, write:
 
 
 def launch_tma_decode(attention, smem: int, grid: tuple[int, int, int], args: tuple, cache: cupy.ndarray,
-                      balance_slots: int = 0, after_previous: bool = False, write_args: tuple = ()) -> None:
+                      balance_slots: int = 0, write_args: tuple = ()) -> None:
     """``mla_attention_tma`` over ``grid`` with mla_attention_mma_shared's ``args``, ``balance_slots`` (0: each
-    token's context split evenly over grid z) and the cache's map; ``after_previous``: a programmatic dependent
-    launch (a kernel built with MLA_PDL); ``write_args``: the folded latent write's (kv_a, its row stride, norm, eps, slots, cos, sin, q's row stride),
-    null / zero where the kernel does not write."""
+    token's context split evenly over grid z) and the cache's map; ``write_args``: the folded latent write's (kv_a,
+    its row stride, norm, eps, slots, cos, sin, q's row stride), null / zero where the kernel does not write."""
     if not write_args:
         write_args = (np.uint64(0), np.int32(0), np.uint64(0), np.float32(0), np.uint64(0), np.uint64(0),
                       np.uint64(0), np.int32(0))
-    launch(attention, grid, (TMA_THREADS,), (*args, np.int32(balance_slots), *write_args,
-                                             cache_map(cache, tma_row_boxes())),
-           smem, after_previous=after_previous)
+    attention(grid, (TMA_THREADS,), (*args, np.int32(balance_slots), *write_args, cache_map(cache, tma_row_boxes())),
+              shared_mem=smem)

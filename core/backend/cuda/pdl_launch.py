@@ -2,9 +2,9 @@
 ``cuLaunchKernelEx`` with programmatic stream serialization, so the driver may start its CTAs once every CTA
 of the stream's previous kernel has run ``griddepcontrol.launch_dependents``; the kernel's own
 ``griddepcontrol.wait`` holds its dependent reads and its writes until that kernel has finished. Under
-stream capture the launch becomes a programmatic edge of the graph. Used by the MLA decode kernels
-($OPENINFER_MLA_PDL, kernels/mla_split.cuh ``mla_pdl_enter``) and the Hopper grouped expert GEMM
-($OPENINFER_MOE_SM90_PDL, down after gate_up); a kernel launched so must be built to wait.
+stream capture the launch becomes a programmatic edge of the graph. Used by the Hopper grouped expert GEMM
+($OPENINFER_MOE_SM90_PDL, down after gate_up) and the MoE combine ($OPENINFER_MOE_COMBINE_PDL); a kernel
+launched so must be built to wait.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def _dims(value) -> tuple[int, int, int]:
 
 def launch(fn, grid, block, args: tuple, shared_mem: int = 0, after_previous: bool = False) -> None:
     """``fn(grid, block, args, shared_mem=shared_mem)``; with ``after_previous`` by cuLaunchKernelEx with
-    programmatic stream serialization (the kernel must be built with MLA_PDL=1: its griddepcontrol.wait is what
-    orders it after the previous kernel). On the legacy default stream, under ``discover_kernels`` (a stand-in
+    programmatic stream serialization (the kernel must be built to wait: its griddepcontrol.wait is what orders
+    it after the previous kernel). On the legacy default stream, under ``discover_kernels`` (a stand-in
     ``fn``) or without ``after_previous``: a plain launch."""
     function = fn.kernel if isinstance(fn, cupy.RawKernel) else fn
     stream = cupy.cuda.get_current_stream().ptr
