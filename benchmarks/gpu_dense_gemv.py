@@ -42,9 +42,11 @@ SHAPES: dict[str, list[tuple[str, int, int, str]]] = {
     "qwen3": [("qkv", 6144, 2560, "norm"), ("o_proj", 2560, 4096, "plain"), ("gate_up", 19456, 2560, "norm"),
               ("silu+down", 2560, 9728, "silu"), ("lm_head", 151936, 2560, "plain")],
 }
-# (gemv_m1_cols / gemv_m1_ksplit / gemv_m1_deep, slower at every Kimi-K2 shape in 2026-11-24's D2 and s12's D2b, are
-# gone: dense_gemv_int4d_d2_h200.json, kimi_layer_b1_kimi13_d2b; so is gemv_m1_pipelined, the next pass's loads in
-# flight while a pass multiplies: s13 D2, dense_gemv_int4_s13d1_h200.json, qkv_a 9.6 -> 13.1, o_proj 29.5 -> 41.0 us)
+# (gemv_m1_cols / gemv_m1_ksplit / gemv_m1_deep, separate kernels slower at every Kimi-K2 shape in 2026-11-24's D2 and
+# s12's D2b, are gone: dense_gemv_int4d_d2_h200.json, kimi_layer_b1_kimi13_d2b; so is gemv_m1_pipelined, the next pass's
+# loads in flight while a pass multiplies: s13 D2, dense_gemv_int4_s13d1_h200.json, qkv_a 9.6 -> 13.1, o_proj 29.5 ->
+# 41.0 us. gemv_m1's GEMV_M1_COLS of s15, below as cols2 / cols4, keeps 8 loads a lane in flight; core takes it past a
+# wave of blocks and beside other work: linear.GEMV_M1_COLS_ENV.)
 # unroll4 / 6 / 12: gemv_m1's pass of GEMV_M1_UNROLL 16-byte loads a lane (default 8) shorter or longer (bits of the
 # default: each lane's k in order)
 VARIANTS = {"batched_tail": {"GEMV_BATCHED_TAIL": 1}, "serial_tail": {"GEMV_BATCHED_TAIL": 0},

@@ -77,6 +77,7 @@ from openinfer.backend.cuda.kernel_choices import (  # noqa: F401  (re-exported 
     sm90_tma_min_context,
     sm90_variant,
 )
+from openinfer.backend.cuda.linear import sm_count
 from openinfer.backend.cuda.loader import arch_kernel, kernel
 from openinfer.backend.cuda.qkv_write import (
     vector_qkv_write_supported,
@@ -85,12 +86,6 @@ from openinfer.backend.cuda.qkv_write import (
 )
 from openinfer.backend.cuda.tensor_maps import page_maps
 from openinfer.rope import RotaryEmbedding
-
-
-@functools.cache
-def _num_sms(device_id: int) -> int:
-    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
-
 
 # The persistent kernel's work counter and finished-CTA count, per device: zero between launches
 # (the last CTA of each launch resets them), so launches on one device must not overlap (the
@@ -258,7 +253,7 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
                          PERSISTENT=int(scheduler is not None), KV_MULTICAST=int(multicast),
                          HEAD_PAIRS=int(head_pairs), **extra)
         if scheduler is not None:
-            grid = (min(_num_sms(cupy.cuda.Device().id), spec.num_heads * num_tiles), 1)
+            grid = (min(sm_count(cupy.cuda.Device().id), spec.num_heads * num_tiles), 1)
         elif variant.kv_head_major_grid:
             grid = (spec.num_heads // spec.num_kv_heads * num_tiles, spec.num_kv_heads)
         else:

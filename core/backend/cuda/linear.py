@@ -96,7 +96,8 @@ class CudaLinear:
 
 
 @functools.cache
-def _multiprocessors(device: int) -> int:
+def sm_count(device: int) -> int:
+    """Device ``device``'s streaming multiprocessors (one attribute query per device)."""
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
 
 
@@ -125,12 +126,13 @@ def gemv_m1_columns(out_features: int) -> int:
     $OPENINFER_GEMV_M1_COLS_BESIDE inside ``gemv_beside_other_work``."""
     text = _columns_switch(GEMV_M1_COLS_ENV, DEFAULT_GEMV_M1_COLS, ("auto", "1", "2", "4"))
     if text == "auto":
-        wave = GEMV_M1_BLOCKS_PER_SM * _multiprocessors(cupy.cuda.Device().id)
+        wave = GEMV_M1_BLOCKS_PER_SM * sm_count(cupy.cuda.Device().id)
         cols = 2 if -(-out_features // GEMV_WARPS_PER_BLOCK) > wave else 1
     else:
         cols = int(text)
     if getattr(_beside_other_work, "depth", 0):
-        cols = max(cols, int(_columns_switch(GEMV_M1_COLS_BESIDE_ENV, str(DEFAULT_GEMV_M1_COLS_BESIDE), ("1", "2", "4"))))
+        beside = _columns_switch(GEMV_M1_COLS_BESIDE_ENV, str(DEFAULT_GEMV_M1_COLS_BESIDE), ("1", "2", "4"))
+        cols = max(cols, int(beside))
     return cols
 
 
@@ -139,17 +141,13 @@ def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
     m, k = x.shape
     n = layer.out_features
     rows = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
-    columns_per_block = GEMV_WARPS_PER_BLOCK * GEMV_COLUMNS_PER_WARP[rows]
-    grid = (n + columns_per_block - 1) // columns_per_block
+    cols = gemv_m1_columns(n) if rows == 1 else GEMV_COLUMNS_PER_WARP[rows]
+    # a 1-column gemv_m1 defines nothing more: its kernel and cache entry as before GEMV_M1_COLS
+    defines = {"GEMV_M1_COLS": cols} if rows == 1 and cols != 1 else {}
     bias = layer.bias if layer.bias is not None else NULL
     args = (x, layer.weight, bias, out, np.int32(m), np.int32(n), np.int32(k))
-    if rows == 1:
-        cols = gemv_m1_columns(n)  # a 1-column build defines nothing more: its kernel and cache entry as before
-        grid = -(-n // (GEMV_WARPS_PER_BLOCK * cols))
-        kernel("gemv.cu", "gemv_m1", **({} if cols == 1 else {"GEMV_M1_COLS": cols}))(
-            (grid,), (GEMV_WARPS_PER_BLOCK * 32,), args)
-        return
-    kernel("gemv.cu", f"gemv_m{rows}")((grid,), (GEMV_WARPS_PER_BLOCK * 32,), args)
+    kernel("gemv.cu", f"gemv_m{rows}", **defines)((-(-n // (GEMV_WARPS_PER_BLOCK * cols)),),
+                                                 (GEMV_WARPS_PER_BLOCK * 32,), args)
 
 
 FUSED_MAX_IN_FEATURES = 24576  # the fused GEMVs keep their bf16 input row in 48 KB of shared memory

@@ -44,14 +44,13 @@ routing's counts back, where cuBLAS on each expert's rows is worth a sync per la
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from dataclasses import dataclass
 
 import cupy
 import numpy as np
 
-from openinfer.backend.cuda.linear import gemv_beside_other_work
+from openinfer.backend.cuda.linear import gemv_beside_other_work, sm_count
 from openinfer.backend.cuda.loader import kernel
 from openinfer.backend.cuda.moe_routing import (
     MAX_EXPERTS,
@@ -291,11 +290,6 @@ INT4_ROW_BLOCKS_ENV, ROW_BLOCKS_MAX_TILES, ROW_BLOCKS_MOST = "OPENINFER_INT4_ROW
 DEFAULT_INT4_ROW_BLOCKS = "1"
 
 
-@functools.cache
-def _sm_count(device: int) -> int:
-    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
-
-
 GROUPS_XSMEM_RECORD, GROUPS_STAGE_BYTES = 80, 1280  # moe_int4.cu: a staged (chunk, group, token) record; a ring stage
 SHARED_BYTES_DEFAULT, SHARED_BYTES_MOST = 48 * 1024, 227 * 1024  # a block's shared memory without / with the opt-in
 
@@ -333,7 +327,7 @@ def int4_row_blocks(column_blocks: int, tile_rows: int, min_blocks: int, value: 
     if value == "auto":
         if tile_rows > ROW_BLOCKS_MAX_TILES or column_blocks < 2:
             return 1
-        waves = column_blocks * tile_rows / (_sm_count(cupy.cuda.Device().id) * min_blocks)
+        waves = column_blocks * tile_rows / (sm_count(cupy.cuda.Device().id) * min_blocks)
         return max(1, min(ROW_BLOCKS_MOST, column_blocks, round(waves))) if waves >= 1.25 else 1
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{INT4_ROW_BLOCKS_ENV} must be auto or a positive integer, got {value!r}")
