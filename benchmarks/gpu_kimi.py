@@ -1163,6 +1163,12 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "no_int4_row_blocks": "one column block per moe_gemv_int4_groups block ($OPENINFER_INT4_ROW_BLOCKS=1)",
     "no_rms_scaled": "q_a_norm + q_b as rms_norm then gemv_m1 ($OPENINFER_RMS_SCALED_GEMV=0)",
     "no_shared_after_route": "the shared expert forked before the routing ($OPENINFER_MOE_SHARED_AFTER_ROUTE=0)",
+    "shared_down_late": "the shared expert's down projection beside the routed one instead of their gate_up "
+                        "($OPENINFER_MOE_SHARED_DOWN_LATE=1)",
+    "mla_cluster4": "the absorbed MLA decode's splits combined on chip in clusters of up to 4 CTAs, no combine launch "
+                    "($OPENINFER_MLA_TMA_CLUSTER=4)",
+    "mla_cluster8": "... of up to 8 CTAs ($OPENINFER_MLA_TMA_CLUSTER=8)",
+    "mla_cluster16": "... of up to 16 CTAs ($OPENINFER_MLA_TMA_CLUSTER=16)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1258,8 +1264,8 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
     without its option a variable is unset, so core's default runs."""
     from openinfer.backend.cuda import linear as cuda_linear
     from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90, moe_routing
     from openinfer.backend.cuda import moe as cuda_moe
-    from openinfer.backend.cuda import moe_routing
 
     os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel
     switches = {"no_fast_routing": (moe_routing.FAST_ROUTING_ENV, "0"), "no_spread_rope": (cuda_mla.SPREAD_ROPE_ENV, "0"),
@@ -1283,7 +1289,11 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "route_before_shared": ("OPENINFER_MOE_ROUTE_BEFORE_SHARED", "1"),
                 "route_decode": ("OPENINFER_MOE_ROUTE_DECODE", "1"),
                 "no_route_before_shared": ("OPENINFER_MOE_ROUTE_BEFORE_SHARED", "0"),
-                "no_route_decode": ("OPENINFER_MOE_ROUTE_DECODE", "0")}
+                "no_route_decode": ("OPENINFER_MOE_ROUTE_DECODE", "0"),
+                "shared_down_late": (cuda_moe.SHARED_DOWN_LATE_ENV, "1"),
+                "mla_cluster4": (mla_decode_sm90.TMA_CLUSTER_ENV, "4"),
+                "mla_cluster8": (mla_decode_sm90.TMA_CLUSTER_ENV, "8"),
+                "mla_cluster16": (mla_decode_sm90.TMA_CLUSTER_ENV, "16")}
     for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
         os.environ.pop(env, None)
     for option, (env, value) in switches.items():
@@ -1307,13 +1317,16 @@ def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x,
                                 attention["kv_a_norm"], spec, batch, cos, sin, 1e-6, backend.num_sms,
                                 absorbed_kernel=absorbed_kernel)
     h = backend.linear(attn, attention["o_proj"])
-    shared_experts = partial(shared_mlp, backend, shared)  # by moe_forward, beside the routed ones with shared_overlap
-    return h, cuda_moe.moe_forward(backend, h, moe, shared_experts=shared_experts)
+    # by moe_forward, beside the routed ones with shared_overlap (its down phase beside theirs: shared_down_late)
+    return h, cuda_moe.moe_forward(backend, h, moe, shared_experts=shared_mlp(backend, shared))
 
 
-def shared_mlp(backend, shared, h):
-    """The shared expert: down(silu_mul(gate_up(h)))."""
-    return backend.silu_mul_linear(backend.linear(h, shared[0]), shared[1])
+def shared_mlp(backend, shared):
+    """The shared expert, down(silu_mul(gate_up(h))), in moe_forward's two phases (as the plugin gives it)."""
+    from openinfer.backend.cuda import moe as cuda_moe
+
+    return cuda_moe.SharedExpertPhases(up=lambda h: backend.linear(h, shared[0]),
+                                       down=lambda hidden: backend.silu_mul_linear(hidden, shared[1]))
 
 
 def run_layer(args) -> dict:
@@ -1533,7 +1546,7 @@ def run_moe(args) -> dict:
                     calls = [partial(cuda_moe.moe_forward, backend, x, fused) for *_, fused in blocks]
                 else:
                     calls = [partial(cuda_moe.moe_forward, backend, x, tiled if use_tiled else layer,
-                                     shared_experts=partial(shared_mlp, backend, shared))
+                                     shared_experts=shared_mlp(backend, shared))
                              for layer, tiled, shared, _ in blocks]
                 with switched_env(switches):
                     outputs[variant] = backend.to_host(calls[0]())

@@ -34,12 +34,15 @@ def _capture_replay(step, to_host, replays: int = 2) -> list[np.ndarray]:
     return outs
 
 
+@pytest.mark.parametrize("late_down", ["0", "1"])
 @pytest.mark.parametrize("order", ["before", "after", "first"])
 @pytest.mark.parametrize("tokens", [1, 4])
-def test_route_before_shared_equals_inline(cuda_backend, rng, monkeypatch, tokens, order):
+def test_route_before_shared_equals_inline(cuda_backend, rng, monkeypatch, tokens, order, late_down):
     """OPENINFER_MOE_ROUTE_BEFORE_SHARED=1 ("first": the side stream's fork recorded before the routing, the routing
     launched first) and OPENINFER_MOE_SHARED_AFTER_ROUTE=1 ("after") give the bits of the shared expert forked
-    before the routing ("before", the default) and of the shared expert inline, eagerly and from a graph."""
+    before the routing ("before", the default) and of the shared expert inline, eagerly and from a graph; so does
+    OPENINFER_MOE_SHARED_DOWN_LATE=1 (the shared experts in two phases, the down phase beside the routed down
+    projection) in each order."""
     from openinfer.backend.cuda import moe, moe_routing
 
     hidden, inter = 256, 64
@@ -48,12 +51,13 @@ def test_route_before_shared_equals_inline(cuda_backend, rng, monkeypatch, token
     shared_down = cuda_backend.linear_weight(bf16_random(rng, hidden, inter, scale=0.05))
     x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
 
-    def shared_experts(h):
-        return cuda_backend.silu_mul_linear(cuda_backend.linear(h, shared_up), shared_down)
+    shared_experts = moe.SharedExpertPhases(up=lambda h: cuda_backend.linear(h, shared_up),
+                                            down=lambda g: cuda_backend.silu_mul_linear(g, shared_down))
 
     def step():
         return moe.moe_forward(cuda_backend, x, layer, shared_experts=shared_experts)
 
+    monkeypatch.setenv(moe.SHARED_DOWN_LATE_ENV, late_down)
     monkeypatch.setenv(moe_routing.ROUTE_DECODE_ENV, "0")  # one routing path for every order (the ordering is under test)
     monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "0")
     inline = cuda_backend.to_host(step())
@@ -61,9 +65,30 @@ def test_route_before_shared_equals_inline(cuda_backend, rng, monkeypatch, token
     monkeypatch.setenv(moe.ROUTE_BEFORE_SHARED_ENV, "1" if order == "first" else "0")
     monkeypatch.setenv(moe.SHARED_AFTER_ROUTE_ENV, "1" if order == "after" else "0")
     assert moe.route_before_shared(tokens) == (order == "first")
+    assert moe.shared_down_late(tokens, shared_experts) == (late_down == "1")
     assert np.array_equal(cuda_backend.to_host(step()), inline)
     for replay in _capture_replay(step, cuda_backend.to_host):
         assert np.array_equal(replay, inline)
+
+
+def test_shared_down_late_switch(monkeypatch):
+    """OPENINFER_MOE_SHARED_DOWN_LATE parses 1 / 0 (unset: the default), refuses other values, and holds only for
+    shared experts in two phases (a plain callable runs whole) where they overlap the routed ones."""
+    from openinfer.backend.cuda import moe
+
+    phases = moe.SharedExpertPhases(up=lambda h: h, down=lambda g: g)
+    monkeypatch.delenv(moe.SHARED_OVERLAP_ENV, raising=False)
+    monkeypatch.delenv(moe.SHARED_DOWN_LATE_ENV, raising=False)
+    assert moe.shared_down_late(1, phases) == moe.DEFAULT_SHARED_DOWN_LATE
+    monkeypatch.setenv(moe.SHARED_DOWN_LATE_ENV, "1")
+    assert moe.shared_down_late(1, phases) and not moe.shared_down_late(0, phases)
+    assert not moe.shared_down_late(1, lambda h: h)
+    assert not moe.shared_down_late(moe.SHARED_OVERLAP_MAX_TOKENS + 1, phases)
+    monkeypatch.setenv(moe.SHARED_DOWN_LATE_ENV, "0")
+    assert not moe.shared_down_late(1, phases)
+    monkeypatch.setenv(moe.SHARED_DOWN_LATE_ENV, "later")
+    with pytest.raises(ValueError, match="must be 1 or 0"):
+        moe.shared_down_late(1, phases)
 
 
 def test_route_before_shared_switch(monkeypatch):

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import cupy
@@ -1086,6 +1087,7 @@ SHARED_OVERLAP_ENV = "OPENINFER_MOE_SHARED_OVERLAP"
 # 129.5 / 298.4 -> 289.5 us at 1 / 4 / 16 tokens (1.14 / 1.08 / 1.03x); Kimi-K2 batch 64 1.00x, 256 0.99x.
 SHARED_OVERLAP_MAX_TOKENS = 16
 _side_streams: dict[int, tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]] = {}
+_late_events: dict[int, cupy.cuda.Event] = {}  # finish_shared_experts' fork point, per device
 
 
 def shared_overlap(tokens: int) -> bool:
@@ -1122,12 +1124,45 @@ def shared_after_route(tokens: int) -> bool:
     return _switch(SHARED_AFTER_ROUTE_ENV, default=DEFAULT_SHARED_AFTER_ROUTE) and 0 < tokens and shared_overlap(tokens)
 
 
-def start_shared_experts(x: cupy.ndarray, shared_experts, forked: bool = False
+@dataclass(frozen=True)
+class SharedExpertPhases:
+    """A MoE layer's shared experts as ``moe_forward``'s two phases: ``up`` (``x [T, H]`` -> the gate_up output
+    ``[T, 2I]``) and ``down`` (that -> ``[T, H]``: SiLU·mul, down projection). Called whole: ``down(up(x))``. Given
+    in two phases, ``moe_forward`` may run ``down`` beside the routed experts' down projection instead of their
+    gate_up (``shared_down_late``); a plain callable always runs whole."""
+
+    up: Callable[[cupy.ndarray], cupy.ndarray]
+    down: Callable[[cupy.ndarray], cupy.ndarray]
+
+    def __call__(self, x: cupy.ndarray) -> cupy.ndarray:
+        return self.down(self.up(x))
+
+
+# OPENINFER_MOE_SHARED_DOWN_LATE=1 (opt-in until measured): where the shared experts run on the side stream
+# (shared_overlap) and come as SharedExpertPhases, their down projection waits for the routed experts' gate_up
+# (an event recorded after its launch) and runs beside the routed down projection instead. Why: at one token the
+# routed INT4 gate_up reads 117 MB and already pulls ~2.9 TB/s alone, so the shared down (29 MB) beside it slows it
+# (s15 D7 timeline, Kimi-K2 layer b1: 43.7 us beside the shared down vs 40.8 alone), while the routed down
+# projection leaves bandwidth idle (62 MB at 2.7 TB/s: too few bytes in flight per SM). The same kernels and bits.
+SHARED_DOWN_LATE_ENV = "OPENINFER_MOE_SHARED_DOWN_LATE"
+DEFAULT_SHARED_DOWN_LATE = False
+
+
+def shared_down_late(tokens: int, shared_experts) -> bool:
+    """Whether moe_forward runs ``shared_experts``' down phase beside the routed down projection (see
+    SHARED_DOWN_LATE_ENV): the switch (1 / 0; unset: the default; another value: a clear error) where they come in
+    phases (SharedExpertPhases) and the step overlaps them at all."""
+    return (_switch(SHARED_DOWN_LATE_ENV, default=DEFAULT_SHARED_DOWN_LATE) and isinstance(
+        shared_experts, SharedExpertPhases) and 0 < tokens and shared_overlap(tokens))
+
+
+def start_shared_experts(x: cupy.ndarray, shared_experts, forked: bool = False, up_only: bool = False
                          ) -> tuple[cupy.ndarray, cupy.cuda.Event | None]:
     """``shared_experts(x)`` (a callable) and the event the combine must wait for: run on the side
     stream when ``shared_overlap`` (event returned), else here (None). ``forked``: the side stream's fork
     event was recorded already (``fork_shared_experts``), earlier on this stream: the side stream starts
-    from that point, not from here."""
+    from that point, not from here. ``up_only``: only the ``up`` phase of SharedExpertPhases, on the side
+    stream (no event: ``finish_shared_experts`` runs the rest and returns it)."""
     if not x.shape[0] or not shared_overlap(int(x.shape[0])):
         return shared_experts(x), None
     side, fork, joined = _side_stream()
@@ -1135,7 +1170,23 @@ def start_shared_experts(x: cupy.ndarray, shared_experts, forked: bool = False
         fork.record(cupy.cuda.get_current_stream())
     side.wait_event(fork)
     with side, gemv_beside_other_work():
+        if up_only:
+            return shared_experts.up(x), None
         shared = shared_experts(x)
+        joined.record(side)
+    return shared, joined
+
+
+def finish_shared_experts(hidden: cupy.ndarray, shared_experts: SharedExpertPhases) -> tuple[cupy.ndarray,
+                                                                                          cupy.cuda.Event]:
+    """The ``down`` phase of shared experts started with ``up_only``, on the side stream from this point of the
+    current stream (after the routed gate_up's launch), and the event the combine must wait for."""
+    side, _, joined = _side_stream()
+    late = _late_events.setdefault(cupy.cuda.Device().id, cupy.cuda.Event(disable_timing=True))
+    late.record(cupy.cuda.get_current_stream())
+    side.wait_event(late)
+    with side, gemv_beside_other_work():
+        shared = shared_experts.down(hidden)
         joined.record(side)
     return shared, joined
 
@@ -1182,12 +1233,14 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     decode = route_decode_wanted(x, layer, beside_shared=shared_experts is not None and shared_overlap(int(x.shape[0])))
     ticket = route_decode_ticket() if decode else None
     route_first = shared_experts is not None and shared_after_route(int(x.shape[0]))
+    late_down = shared_experts is not None and shared_down_late(int(x.shape[0]), shared_experts)
     # ROUTE_BEFORE_SHARED_ENV: the fork point here, the shared experts launched after the routing
     forked = shared_experts is not None and not route_first and route_before_shared(int(x.shape[0]), decode)
     if forked:
         fork_shared_experts()
     elif not route_first:
-        shared, joined = start_shared_experts(x, shared_experts) if shared_experts is not None else (shared, None)
+        shared, joined = (start_shared_experts(x, shared_experts, up_only=late_down) if shared_experts is not None
+                          else (shared, None))
     grouping = route_and_group(x, layer, ticket, one_launch=decode) if decode or route_sort_wanted(
         int(x.shape[0]), layer.router, layer.tid2eid, layer.shared_experts) else None
     if grouping is None:
@@ -1195,9 +1248,17 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
                              layer.shared_experts)
         grouping = group_by_expert(ids, weights, layer.router.num_experts + layer.shared_experts)
     if route_first or forked:  # the side stream forks here (SHARED_AFTER_ROUTE_ENV) or from before the routing
-        shared, joined = start_shared_experts(x, shared_experts, forked=forked)
+        shared, joined = start_shared_experts(x, shared_experts, forked=forked, up_only=late_down)
+    after_gate_up = None
+    if late_down:  # SHARED_DOWN_LATE_ENV: the shared down projection beside the routed one
+        hidden = shared
+
+        def after_gate_up() -> None:
+            nonlocal shared, joined
+            shared, joined = finish_shared_experts(hidden, shared_experts)
+
     with rotated_units(layer.shared_experts if l2_prefetch_mode() != "off" else 0):
-        y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
+        y = routed_experts(backend, x, layer.gate_up, layer.down, grouping, after_gate_up)
     if joined is not None:  # the shared experts' side stream
         cupy.cuda.get_current_stream().wait_event(joined)
     if add_norm is None:
@@ -1293,9 +1354,10 @@ def sm90_routed(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGrouping
 
 
 def routed_experts(backend, x: cupy.ndarray, gate_up: ExpertLinear, down: ExpertLinear,
-                   grouping: ExpertGroupingDevice) -> cupy.ndarray:
+                   grouping: ExpertGroupingDevice, after_gate_up: Callable[[], None] | None = None) -> cupy.ndarray:
     """The experts' rows in expert order, ``[T·k, H]``: gate_up (gathering token rows), SwiGLU, down,
-    each by the kernel the step's slots per expert and the switches choose (``moe_forward``'s middle)."""
+    each by the kernel the step's slots per expert and the switches choose (``moe_forward``'s middle).
+    ``after_gate_up``: called between the gate_up's launches and the down projection's."""
     sm90_gate_up = sm90_routed(x, gate_up, grouping)
     if sm90_gate_up:  # the grouping's kernel ran last on this stream (OPENINFER_MOE_GATE_UP_PDL)
         activated = grouped_gemm_sm90(x, gate_up, grouping, True, fuse_silu=True, after_grouping=True)
@@ -1305,6 +1367,10 @@ def routed_experts(backend, x: cupy.ndarray, gate_up: ExpertLinear, down: Expert
         activated = gate_up_silu_gemv(x, gate_up, grouping, silu_gemv)
     else:
         activated = backend.silu_mul(grouped_gemm(x, gate_up, grouping, gather=True, blas=backend.blas))
+    if after_gate_up is not None:
+        after_gate_up()
     # after the Hopper gate_up (launched once the grouping completed) down may overlap its last wave
     # (OPENINFER_MOE_SM90_PDL)
-    return grouped_gemm(activated, down, grouping, gather=False, blas=backend.blas, overlap_previous=sm90_gate_up)
+    # (not across the event after_gate_up records)
+    return grouped_gemm(activated, down, grouping, gather=False, blas=backend.blas,
+                        overlap_previous=sm90_gate_up and after_gate_up is None)

@@ -163,13 +163,19 @@ def cuda_norm_linear(ops: Any, x: cupy.ndarray, norm: cupy.ndarray, eps: float, 
     return ops.add_rms_norm_linear(x, None, norm, eps, weight)[0]
 
 
-def cuda_swiglu_mlp(ops: Any, h: cupy.ndarray, gate_up: Any, down: Any) -> cupy.ndarray:
-    """``down(silu_mul(gate_up(h)))``: for a bf16 down projection core's ``silu_mul_linear`` (one
-    launch for a decode row where the backend fuses decode ops, the same numbers)."""
-    hidden = cuda_linear(ops, h, gate_up)
+def swiglu_down(ops: Any, hidden: cupy.ndarray, down: Any) -> cupy.ndarray:
+    """``down(silu_mul(hidden))``, ``hidden`` the gate_up projection's output: for a bf16 down projection core's
+    ``silu_mul_linear`` (one launch for a decode row where the backend fuses decode ops, the same numbers)."""
     if isinstance(down, ExpertLinear):
         return cuda_linear(ops, ops.silu_mul(hidden), down)
     return ops.silu_mul_linear(hidden, down)
+
+
+def shared_expert_phases(ops: Any, shared: Any) -> cuda_moe.SharedExpertPhases:
+    """A layer's shared experts for ``moe_forward`` (small steps: on a side stream beside the routed experts), in
+    its two phases so that the down projection may run beside the routed one (``cuda_moe.shared_down_late``)."""
+    return cuda_moe.SharedExpertPhases(up=partial(cuda_linear, ops, weight=shared.gate_up),
+                                       down=partial(swiglu_down, ops, down=shared.down))
 
 
 def cuda_attention(ops: Any, qkv_a: cupy.ndarray, w: Any, kv: Any, batch: Any, spec: Any, rope: Any,
@@ -221,11 +227,8 @@ def fuse_shared(mlp: MoEWeights) -> bool:
 
 
 def cuda_moe_layer(ops: Any, h: cupy.ndarray, layer: MoEWeights, batch: Any) -> cupy.ndarray:
-    shared_experts = None
-    # run by moe_forward (small steps: on a side stream beside the routed experts); None where fuse_shared
-    # stacked the shared experts with the routed ones
-    if layer.shared is not None:
-        shared_experts = partial(cuda_swiglu_mlp, ops, gate_up=layer.shared.gate_up, down=layer.shared.down)
+    # None where fuse_shared stacked the shared experts with the routed ones
+    shared_experts = shared_expert_phases(ops, layer.shared) if layer.shared is not None else None
     return cuda_moe.moe_forward(ops, h, layer.stacked, None, batch.token_ids, shared_experts=shared_experts)
 
 
@@ -235,9 +238,7 @@ def cuda_moe_add_norm(ops: Any, h: cupy.ndarray, layer: MoEWeights, batch: Any, 
     $OPENINFER_MOE_COMBINE_NORM asks (``cuda_moe.combine_norm_wanted``); else None (the caller runs both)."""
     if not cuda_moe.combine_norm_wanted(int(h.shape[0])) or not isinstance(layer.stacked, DeviceMoE):
         return None
-    shared_experts = None
-    if layer.shared is not None:
-        shared_experts = partial(cuda_swiglu_mlp, ops, gate_up=layer.shared.gate_up, down=layer.shared.down)
+    shared_experts = shared_expert_phases(ops, layer.shared) if layer.shared is not None else None
     return cuda_moe.moe_forward(ops, h, layer.stacked, None, batch.token_ids, shared_experts=shared_experts,
                                 add_norm=(residual, norm, eps))
 
