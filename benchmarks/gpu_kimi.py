@@ -1165,8 +1165,6 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "no_shared_after_route": "the shared expert forked before the routing ($OPENINFER_MOE_SHARED_AFTER_ROUTE=0)",
     "shared_down_late": "the shared expert's down projection beside the routed one instead of their gate_up "
                         "($OPENINFER_MOE_SHARED_DOWN_LATE=1)",
-    "early_ticket": "moe_route_decode's counter zeroed on a side stream before the attention "
-                    "($OPENINFER_MOE_EARLY_TICKET=1)",
     "mla_cluster4": "the absorbed MLA decode's splits combined on chip in clusters of up to 4 CTAs, no combine launch "
                     "($OPENINFER_MLA_TMA_CLUSTER=4)",
     "mla_cluster8": "... of up to 8 CTAs ($OPENINFER_MLA_TMA_CLUSTER=8)",
@@ -1293,7 +1291,6 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "no_route_before_shared": ("OPENINFER_MOE_ROUTE_BEFORE_SHARED", "0"),
                 "no_route_decode": ("OPENINFER_MOE_ROUTE_DECODE", "0"),
                 "shared_down_late": (cuda_moe.SHARED_DOWN_LATE_ENV, "1"),
-                "early_ticket": (cuda_moe.EARLY_TICKET_ENV, "1"),
                 "mla_cluster4": (mla_decode_sm90.TMA_CLUSTER_ENV, "4"),
                 "mla_cluster8": (mla_decode_sm90.TMA_CLUSTER_ENV, "8"),
                 "mla_cluster16": (mla_decode_sm90.TMA_CLUSTER_ENV, "16")}
@@ -1313,7 +1310,6 @@ def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x,
     from openinfer.backend.cuda import moe as cuda_moe
 
     c = KIMI_LAYER
-    started = cuda_moe.start_moe_layer(moe, x)  # side work before the attention (the plugin's start_layer)
     qkv_a = backend.linear(x, attention["qkv_a"])
     q = backend.add_rms_norm_linear(cupy.ascontiguousarray(qkv_a[:, :c["q_lora"]]), None, attention["q_a_norm"],
                                     1e-6, attention["q_b"])[0]
@@ -1322,9 +1318,7 @@ def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x,
                                 absorbed_kernel=absorbed_kernel)
     h = backend.linear(attn, attention["o_proj"])
     # by moe_forward, beside the routed ones with shared_overlap (its down phase beside theirs: shared_down_late)
-    out = cuda_moe.moe_forward(backend, h, moe, shared_experts=shared_mlp(backend, shared), started=started)
-    cuda_moe.join_moe_layer(started)
-    return h, out
+    return h, cuda_moe.moe_forward(backend, h, moe, shared_experts=shared_mlp(backend, shared))
 
 
 def shared_mlp(backend, shared):

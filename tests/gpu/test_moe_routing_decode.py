@@ -71,47 +71,6 @@ def test_route_before_shared_equals_inline(cuda_backend, rng, monkeypatch, token
         assert np.array_equal(replay, inline)
 
 
-@pytest.mark.parametrize("shared_side", [False, True])
-@pytest.mark.parametrize("tokens", [1, 4])
-def test_early_ticket_equals_per_call(cuda_backend, rng, monkeypatch, tokens, shared_side):
-    """OPENINFER_MOE_EARLY_TICKET=1: ``start_moe_layer`` zeroes moe_route_decode's counter on a side stream before
-    the layer's attention and ``moe_forward(started=...)`` routes with it; the bits of the counter zeroed per call,
-    eagerly and replayed from a CUDA graph (every replay zeroes it again), with and without the shared experts on
-    their own side stream."""
-    from openinfer.backend.cuda import moe, moe_routing
-
-    hidden, inter = 256, 64
-    layer = moe_router_case(cuda_backend, rng, 16, 4, hidden, scaling=2.5, inter=inter, bias_scale=0.1)
-    shared_up = cuda_backend.linear_weight(bf16_random(rng, 2 * inter, hidden, scale=0.05))
-    shared_down = cuda_backend.linear_weight(bf16_random(rng, hidden, inter, scale=0.05))
-    shared_experts = moe.SharedExpertPhases(up=lambda h: cuda_backend.linear(h, shared_up),
-                                            down=lambda g: cuda_backend.silu_mul_linear(g, shared_down))
-    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
-    monkeypatch.setenv(moe_routing.ROUTE_DECODE_ENV, "1")
-
-    def step():
-        started = moe.start_moe_layer(layer, x)
-        out = moe.moe_forward(cuda_backend, x, layer, shared_experts=shared_experts if shared_side else None,
-                              started=started)
-        moe.join_moe_layer(started)
-        return out
-
-    monkeypatch.setenv(moe.EARLY_TICKET_ENV, "0")
-    assert moe.start_moe_layer(layer, x) is None
-    per_call = cuda_backend.to_host(step())
-    monkeypatch.setenv(moe.EARLY_TICKET_ENV, "1")
-    started = moe.start_moe_layer(layer, x)
-    assert started is not None and started.ticket is not None
-    moe.join_moe_layer(started)
-    for _ in range(2):  # the counter the last block put back is not reused: a fresh one per call
-        assert np.array_equal(cuda_backend.to_host(step()), per_call)
-    for replay in _capture_replay(step, cuda_backend.to_host, replays=3):
-        assert np.array_equal(replay, per_call)
-    monkeypatch.setenv(moe.EARLY_TICKET_ENV, "soon")
-    with pytest.raises(ValueError, match="must be 1 or 0"):
-        moe.start_moe_layer(layer, x)
-
-
 def test_shared_down_late_switch(monkeypatch):
     """OPENINFER_MOE_SHARED_DOWN_LATE parses 1 / 0 (unset: the default), refuses other values, and holds only for
     shared experts in two phases (a plain callable runs whole) where they overlap the routed ones."""

@@ -66,7 +66,6 @@ from openinfer.backend.cuda.moe_routing import (
     route_decode_ticket,
     route_decode_wanted,
     route_sort_wanted,
-    zero_route_ticket,
 )
 from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, rotated_units, sm90_experts, sm90_pdl
 from openinfer.backend.cuda.pdl_launch import launch
@@ -1052,68 +1051,6 @@ def join_l2_prefetch(joined: cupy.cuda.Event | None) -> None:
     if joined is not None:
         cupy.cuda.get_current_stream().wait_event(joined)
 
-# OPENINFER_MOE_EARLY_TICKET=1 (opt-in until measured): ``start_moe_layer`` (before the layer's attention) zeroes
-# moe_route_decode's ticket counter on a side stream, so the one-thread zeroing kernel runs beside the attention
-# instead of as a node between o_proj and the router (s15 D7 timeline, Kimi-K2 layer b1: 0.9 us plus a launch gap on
-# the critical path; s13's Moonlight step without the node, a per-layer counter since deleted, was 1.009x). Still a
-# fresh counter per call: nothing kept across calls or graphs. The same bits.
-EARLY_TICKET_ENV = "OPENINFER_MOE_EARLY_TICKET"
-DEFAULT_EARLY_TICKET = False
-_ticket_streams: dict[int, tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]] = {}
-
-
-@dataclass(frozen=True)
-class MoELayerStart:
-    """What ``start_moe_layer`` launched before a MoE layer's attention, for its ``moe_forward`` and
-    ``join_moe_layer``."""
-
-    prefetch: cupy.cuda.Event | None = None  # start_l2_prefetch's side stream
-    ticket: cupy.ndarray | None = None  # moe_route_decode's counter, zeroed on the ticket side stream ...
-    ticket_zeroed: cupy.cuda.Event | None = None  # ... once this event completes
-
-
-def start_moe_layer(layer: DeviceMoE, h: cupy.ndarray) -> MoELayerStart | None:
-    """Side work for a MoE layer launched before its attention (``h``: the attention's input, the MoE's shape):
-    the shared experts' L2 prefetch (``start_l2_prefetch``) and, where EARLY_TICKET_ENV asks and the step will route
-    in one launch, moe_route_decode's zeroed counter. None where there is nothing; ``join_moe_layer`` after the
-    layer's MoE either way (inside a CUDA-graph capture every fork must join)."""
-    prefetch = start_l2_prefetch(layer)
-    ticket = zeroed = None
-    if _switch(EARLY_TICKET_ENV, default=DEFAULT_EARLY_TICKET) and route_decode_wanted(h, layer):
-        device = cupy.cuda.Device().id
-        if device not in _ticket_streams:
-            _ticket_streams[device] = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
-                                       cupy.cuda.Event(disable_timing=True))
-        side, fork, zeroed = _ticket_streams[device]
-        ticket = cupy.empty(1, cupy.uint32)  # from this stream's pool: freed in its order, after the routing
-        fork.record(cupy.cuda.get_current_stream())
-        side.wait_event(fork)
-        with side:
-            zero_route_ticket(ticket)
-            zeroed.record(side)
-    if prefetch is None and ticket is None:
-        return None
-    return MoELayerStart(prefetch, ticket, zeroed)
-
-
-def join_moe_layer(started: MoELayerStart | None) -> None:
-    """The current stream waits for ``start_moe_layer``'s side work (None: nothing)."""
-    if started is None:
-        return
-    join_l2_prefetch(started.prefetch)
-    if started.ticket_zeroed is not None:
-        cupy.cuda.get_current_stream().wait_event(started.ticket_zeroed)
-
-
-def decode_ticket(started: MoELayerStart | None) -> cupy.ndarray:
-    """moe_route_decode's zeroed counter for this call: ``started``'s (the current stream waits for its zeroing),
-    else a fresh one zeroed here."""
-    if started is None or started.ticket is None:
-        return route_decode_ticket()
-    cupy.cuda.get_current_stream().wait_event(started.ticket_zeroed)
-    return started.ticket
-
-
 def pipelined_gate_up(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGroupingDevice, blas) -> bool:
     """Whether ``moe_forward`` fuses gate_up and SwiGLU: OPENINFER_MOE_PIPELINED=fused, bf16 experts,
     no forced GEMV, more than PIPELINED_ABOVE_ROWS_PER_EXPERT slots per expert and no cuBLAS step."""
@@ -1280,22 +1217,21 @@ def fork_shared_experts() -> None:
 
 
 def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray | None = None,
-                token_ids: cupy.ndarray | None = None, shared_experts=None, add_norm: tuple | None = None,
-                started: MoELayerStart | None = None):
+                token_ids: cupy.ndarray | None = None, shared_experts=None, add_norm: tuple | None = None):
     """Route → group → gate_up GEMM (gathering token rows) → SwiGLU → down GEMM → weighted combine
     (+ the shared experts' output: ``shared``, already computed, or ``shared_experts(x)``, a callable
     run here: ``start_shared_experts``). OPENINFER_MOE_PIPELINED=fused: the gate_up GEMM and SwiGLU
     as one launch where the step would run a GEMM (``pipelined_gate_up``); OPENINFER_MOE_SM90=1: in
     the Hopper kernel where it runs (``sm90_experts``). ``add_norm`` = (residual, norm weight, eps): returns
     ``add_rms_norm(out, residual, weight, eps)``'s pair instead, the combine fused into it where
-    ``combine_norm_wanted``. ``started``: ``start_moe_layer``'s side work for this layer (its routing counter)."""
+    ``combine_norm_wanted``."""
     x = cupy.ascontiguousarray(x)
     if layer.shared_experts and (shared is not None or shared_experts is not None):
         raise ValueError("this MoE layer's shared experts are fused into its expert stacks (fuse_shared_experts): "
                          "pass neither shared nor shared_experts")
     # moe_route_decode's ticket zeroed before the side stream's fork point (see route_decode)
     decode = route_decode_wanted(x, layer, beside_shared=shared_experts is not None and shared_overlap(int(x.shape[0])))
-    ticket = decode_ticket(started) if decode else None
+    ticket = route_decode_ticket() if decode else None
     route_first = shared_experts is not None and shared_after_route(int(x.shape[0]))
     late_down = shared_experts is not None and shared_down_late(int(x.shape[0]), shared_experts)
     # ROUTE_BEFORE_SHARED_ENV: the fork point here, the shared experts launched after the routing

@@ -214,13 +214,8 @@ def route_decode_ticket() -> cupy.ndarray:
     """moe_route_decode's counter for one call: a fresh uint32 zeroed by a one-thread kernel node (moe_route_decode_ticket;
     nothing shared across streams or graphs, the kernel's last block also puts it back to zero)."""
     ticket = cupy.empty(1, cupy.uint32)
-    zero_route_ticket(ticket)
-    return ticket
-
-
-def zero_route_ticket(ticket: cupy.ndarray) -> None:
-    """Zero moe_route_decode's counter ``ticket`` on the current stream (the one-thread kernel)."""
     kernel("moe_routing.cu", "moe_route_decode_ticket")((1,), (32,), (ticket,))
+    return ticket
 
 
 def route_decode_shape(tokens: int, hidden: int, num_experts: int, slots: int) -> tuple[int, dict[str, int]]:

@@ -226,34 +226,31 @@ def fuse_shared(mlp: MoEWeights) -> bool:
     return True
 
 
-def cuda_moe_layer(ops: Any, h: cupy.ndarray, layer: MoEWeights, batch: Any,
-                   started: cuda_moe.MoELayerStart | None = None) -> cupy.ndarray:
+def cuda_moe_layer(ops: Any, h: cupy.ndarray, layer: MoEWeights, batch: Any) -> cupy.ndarray:
     # None where fuse_shared stacked the shared experts with the routed ones
     shared_experts = shared_expert_phases(ops, layer.shared) if layer.shared is not None else None
-    return cuda_moe.moe_forward(ops, h, layer.stacked, None, batch.token_ids, shared_experts=shared_experts,
-                                started=started)
+    return cuda_moe.moe_forward(ops, h, layer.stacked, None, batch.token_ids, shared_experts=shared_experts)
 
 
 def cuda_moe_add_norm(ops: Any, h: cupy.ndarray, layer: MoEWeights, batch: Any, residual: cupy.ndarray,
-                      norm: cupy.ndarray, eps: float, started: cuda_moe.MoELayerStart | None = None
-                      ) -> tuple[cupy.ndarray, cupy.ndarray] | None:
+                      norm: cupy.ndarray, eps: float) -> tuple[cupy.ndarray, cupy.ndarray] | None:
     """``add_rms_norm(moe(h), residual, norm, eps)`` with the combine fused into the norm where
     $OPENINFER_MOE_COMBINE_NORM asks (``cuda_moe.combine_norm_wanted``); else None (the caller runs both)."""
     if not cuda_moe.combine_norm_wanted(int(h.shape[0])) or not isinstance(layer.stacked, DeviceMoE):
         return None
     shared_experts = shared_expert_phases(ops, layer.shared) if layer.shared is not None else None
     return cuda_moe.moe_forward(ops, h, layer.stacked, None, batch.token_ids, shared_experts=shared_experts,
-                                add_norm=(residual, norm, eps), started=started)
+                                add_norm=(residual, norm, eps))
 
 
-def cuda_start_layer(ops: Any, mlp: Any, h: cupy.ndarray) -> cuda_moe.MoELayerStart | None:
-    """Before a MoE layer's attention: its side work (``cuda_moe.start_moe_layer``: the L2 prefetch, the routing's
-    counter), else None."""
+def cuda_start_prefetch(ops: Any, mlp: Any) -> cupy.cuda.Event | None:
+    """Before a MoE layer's attention: its fused shared experts into L2 on a side stream where
+    $OPENINFER_MOE_L2_PREFETCH asks (``cuda_moe.start_l2_prefetch``); the event to join, else None."""
     if isinstance(mlp, MoEWeights) and isinstance(mlp.stacked, DeviceMoE):
-        return cuda_moe.start_moe_layer(mlp.stacked, h)
+        return cuda_moe.start_l2_prefetch(mlp.stacked)
     return None
 
 
 CUDA_PLAN = KernelPlan(backend="cuda", attention=cuda_attention, moe=cuda_moe_layer, linear=cuda_linear,
-                       builder=CudaLinearBuilder, prepare=prepare_weights, start_layer=cuda_start_layer,
-                       join_layer=cuda_moe.join_moe_layer, moe_add_norm=cuda_moe_add_norm)
+                       builder=CudaLinearBuilder, prepare=prepare_weights, start_prefetch=cuda_start_prefetch,
+                       join_prefetch=cuda_moe.join_l2_prefetch, moe_add_norm=cuda_moe_add_norm)

@@ -118,19 +118,17 @@ class KernelPlan:
     backend: str
     # (ops, h, attention weights, kv layer, batch, spec, rope, eps) -> [T, H·v] before o_proj
     attention: Callable[..., Any]
-    # (ops, h, MoEWeights, batch, started) -> [T, hidden]; started: ``start_layer``'s handle for this layer (or None)
-    moe: Callable[..., Any]
+    moe: Callable[..., Any]  # (ops, h, MoEWeights, batch) -> [T, hidden]
     linear: Callable[..., Any]  # (ops, x, weight) -> x @ weight^T
     builder: Callable[..., Any] | None = None  # LinearBuilder subclass for load_weights; None: fp32 reference
     prepare: Callable[..., None] = lambda weights, ops: None  # once after loading (device-side tables)
-    # (ops, layer MLP weights, h: the attention's input) -> a handle for ``moe`` and ``join_layer``, or None: side
-    # work launched before a layer's attention (cuda: the shared experts' L2 prefetch where OPENINFER_MOE_L2_PREFETCH
-    # asks, the routing's counter zeroed where OPENINFER_MOE_EARLY_TICKET asks); numbers unchanged
-    start_layer: Callable[..., Any] = lambda ops, mlp, h: None
-    join_layer: Callable[[Any], None] = lambda handle: None  # after the layer's MLP
-    # (ops, h, MoEWeights, batch, residual, next layer's input norm, eps, started) -> (h, residual) of that norm with
-    # the MoE's output, fused (cuda: OPENINFER_MOE_COMBINE_NORM), or None: run ``moe`` and the norm apart
-    moe_add_norm: Callable[..., Any] = lambda ops, h, layer, batch, residual, norm, eps, started=None: None
+    # (ops, layer MLP weights) -> a handle for ``join_prefetch`` or None: started before a layer's attention
+    # (cuda: OPENINFER_MOE_L2_PREFETCH pulls the shared experts into L2 meanwhile); a hint, numbers unchanged
+    start_prefetch: Callable[..., Any] = lambda ops, mlp: None
+    join_prefetch: Callable[[Any], None] = lambda handle: None  # after the layer's MLP
+    # (ops, h, MoEWeights, batch, residual, next layer's input norm, eps) -> (h, residual) of that norm with the
+    # MoE's output, fused (cuda: OPENINFER_MOE_COMBINE_NORM), or None: run ``moe`` and the norm apart
+    moe_add_norm: Callable[..., Any] = lambda ops, h, layer, batch, residual, norm, eps: None
 
 
 def numpy_attention(ops: Any, qkv_a: np.ndarray, w: Any, kv: Any, batch: Any, spec: MLASpec, rope: Any,
@@ -155,7 +153,7 @@ def numpy_attention(ops: Any, qkv_a: np.ndarray, w: Any, kv: Any, batch: Any, sp
 NUMPY_PLAN = KernelPlan(
     backend="numpy",
     attention=numpy_attention,
-    moe=lambda ops, h, layer, batch, started=None: moe_forward(ops, h, layer, batch.token_ids),
+    moe=lambda ops, h, layer, batch: moe_forward(ops, h, layer, batch.token_ids),
     linear=lambda ops, x, weight: ops.linear(x, weight),
 )
 

@@ -85,7 +85,7 @@ class KimiK2Model:
                 residual, h = x, ops.rms_norm(x, layer.input_norm, eps)
             else:
                 h, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
-            started = plan.start_layer(ops, layer.mlp, h) if step is None and self.rank.expert.size == 1 else None
+            prefetch = plan.start_prefetch(ops, layer.mlp) if step is None and self.rank.expert.size == 1 else None
             w = layer.attention
             attn = plan.attention(ops, plan.linear(ops, h, w.qkv_a), w, kv, batch, self.mla, self.rope,
                                   c.q_lora_rank, eps)
@@ -94,17 +94,17 @@ class KimiK2Model:
             next_norm = layers[index + 1].input_norm if index + 1 < len(layers) else None
             h, residual = ops.add_rms_norm(attn, residual, layer.post_attention_norm, eps)
             if local_moe and next_norm is not None:
-                normed = plan.moe_add_norm(ops, h, layer.mlp, batch, residual, next_norm, eps, started)
+                normed = plan.moe_add_norm(ops, h, layer.mlp, batch, residual, next_norm, eps)
             if normed is None:
-                x = self._mlp(h, layer, batch, started)
-            plan.join_layer(started)
+                x = self._mlp(h, layer, batch)
+            plan.join_prefetch(prefetch)
         x = ops.gather_rows(x, batch.logits_rows)
         residual = ops.gather_rows(residual, batch.logits_rows)
         h, _ = ops.add_rms_norm(x, residual, self.weights.final_norm, eps)
         logits = plan.linear(ops, h, self.weights.lm_head)
         return logits if step is None else data_parallel.gather_logits(step, logits)
 
-    def _mlp(self, h: Any, layer: LayerWeights, batch: ForwardBatch, started: Any = None) -> Any:
+    def _mlp(self, h: Any, layer: LayerWeights, batch: ForwardBatch) -> Any:
         ops, plan = self.backend, self.plan
         if isinstance(layer.mlp, MoEWeights):
             if self.data_parallel_attention is not None:
@@ -113,5 +113,5 @@ class KimiK2Model:
             if self.rank.expert.size > 1:
                 return expert_parallel_moe(ops, h, layer.mlp, batch.token_ids, self.rank.comm,
                                            self.rank.expert.experts(self.config.n_routed_experts))
-            return plan.moe(ops, h, layer.mlp, batch, started)
+            return plan.moe(ops, h, layer.mlp, batch)
         return plan.linear(ops, ops.silu_mul(plan.linear(ops, h, layer.mlp.gate_up)), layer.mlp.down)
