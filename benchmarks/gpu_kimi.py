@@ -1165,6 +1165,8 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "no_shared_after_route": "the shared expert forked before the routing ($OPENINFER_MOE_SHARED_AFTER_ROUTE=0)",
     "shared_down_late": "the shared expert's down projection beside the routed one instead of their gate_up "
                         "($OPENINFER_MOE_SHARED_DOWN_LATE=1)",
+    "layer_ticket": "moe_route_decode's counter kept with the layer, no zeroing node per call "
+                    "($OPENINFER_MOE_ROUTE_TICKET=layer)",
     "mla_cluster4": "the absorbed MLA decode's splits combined on chip in clusters of up to 4 CTAs, no combine launch "
                     "($OPENINFER_MLA_TMA_CLUSTER=4)",
     "mla_cluster8": "... of up to 8 CTAs ($OPENINFER_MLA_TMA_CLUSTER=8)",
@@ -1291,6 +1293,7 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "no_route_before_shared": ("OPENINFER_MOE_ROUTE_BEFORE_SHARED", "0"),
                 "no_route_decode": ("OPENINFER_MOE_ROUTE_DECODE", "0"),
                 "shared_down_late": (cuda_moe.SHARED_DOWN_LATE_ENV, "1"),
+                "layer_ticket": (cuda_moe.ROUTE_TICKET_ENV, "layer"),
                 "mla_cluster4": (mla_decode_sm90.TMA_CLUSTER_ENV, "4"),
                 "mla_cluster8": (mla_decode_sm90.TMA_CLUSTER_ENV, "8"),
                 "mla_cluster16": (mla_decode_sm90.TMA_CLUSTER_ENV, "16")}

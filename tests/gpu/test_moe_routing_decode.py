@@ -71,6 +71,42 @@ def test_route_before_shared_equals_inline(cuda_backend, rng, monkeypatch, token
         assert np.array_equal(replay, inline)
 
 
+@pytest.mark.parametrize("shared_side", [False, True])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_layer_ticket_equals_per_call(cuda_backend, rng, monkeypatch, tokens, shared_side):
+    """OPENINFER_MOE_ROUTE_TICKET=layer: moe_route_decode counts on the layer's own counter (no zeroing node) and gives
+    the bits of a counter zeroed per call, call after call, eagerly and replayed from a CUDA graph (the kernel's last
+    block puts it back to zero each time), with and without the shared experts on the side stream."""
+    from openinfer.backend.cuda import moe, moe_routing
+
+    hidden, inter = 256, 64
+    layer = moe_router_case(cuda_backend, rng, 16, 4, hidden, scaling=2.5, inter=inter, bias_scale=0.1)
+    shared_up = cuda_backend.linear_weight(bf16_random(rng, 2 * inter, hidden, scale=0.05))
+    shared_down = cuda_backend.linear_weight(bf16_random(rng, hidden, inter, scale=0.05))
+    shared_experts = moe.SharedExpertPhases(up=lambda h: cuda_backend.linear(h, shared_up),
+                                            down=lambda g: cuda_backend.silu_mul_linear(g, shared_down))
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    monkeypatch.setenv(moe_routing.ROUTE_DECODE_ENV, "1")
+
+    def step():
+        return moe.moe_forward(cuda_backend, x, layer, shared_experts=shared_experts if shared_side else None)
+
+    monkeypatch.setenv(moe.ROUTE_TICKET_ENV, "call")
+    assert moe.route_ticket(layer) is not layer.route_counter
+    per_call = cuda_backend.to_host(step())
+    monkeypatch.setenv(moe.ROUTE_TICKET_ENV, "layer")
+    assert moe.route_ticket(layer) is layer.route_counter
+    for _ in range(3):
+        assert np.array_equal(cuda_backend.to_host(step()), per_call)
+        assert int(layer.route_counter.get()[0]) == 0
+    for replay in _capture_replay(step, cuda_backend.to_host, replays=3):
+        assert np.array_equal(replay, per_call)
+    assert int(layer.route_counter.get()[0]) == 0
+    monkeypatch.setenv(moe.ROUTE_TICKET_ENV, "graph")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_TICKET"):
+        moe.route_ticket(layer)
+
+
 def test_shared_down_late_switch(monkeypatch):
     """OPENINFER_MOE_SHARED_DOWN_LATE parses 1 / 0 (unset: the default), refuses other values, and holds only for
     shared experts in two phases (a plain callable runs whole) where they overlap the routed ones."""

@@ -881,6 +881,29 @@ class DeviceMoE:
     # shared-experts fusion (``fuse_shared_experts``): the last ``shared_experts`` entries of the gate_up /
     # down stacks are the layer's shared experts, routed every token with weight 1 (0: none stacked)
     shared_experts: int = 0
+    # moe_route_decode's counter kept with the layer (ROUTE_TICKET_ENV=layer): zeroed here, and zero between calls
+    # (the kernel's last block puts it back), so no zeroing node per call. One layer's routing runs once at a time.
+    route_counter: cupy.ndarray = dataclasses.field(default_factory=lambda: cupy.zeros(1, cupy.uint32), repr=False,
+                                                    compare=False)
+
+
+# OPENINFER_MOE_ROUTE_TICKET (opt-in until measured): "layer" gives moe_route_decode the layer's own counter
+# (DeviceMoE.route_counter) instead of a fresh one zeroed per call by a one-thread kernel node ("call", the default):
+# the zeroing node sits on the critical path between o_proj and the router (s15 D7, Kimi-K2 layer b1: 0.9 us plus
+# a launch gap). (Zeroing it instead on a side stream forked before the attention, s16 D2: layer b1 190.8 / 191.8 /
+# 192.1 / 190.8 us vs 169.0 / 168.7 / 168.8 / 169.4 without (results/kimi_layer_b1_s16d2_h200.json); deleted.)
+ROUTE_TICKET_ENV = "OPENINFER_MOE_ROUTE_TICKET"
+ROUTE_TICKETS = ("call", "layer")
+DEFAULT_ROUTE_TICKET = "call"
+
+
+def route_ticket(layer: DeviceMoE) -> cupy.ndarray:
+    """moe_route_decode's zeroed counter for a call on ``layer``: per ROUTE_TICKET_ENV (call / layer; unset: the
+    default; another value: a clear error) the layer's own, or a fresh one zeroed here."""
+    mode = os.environ.get(ROUTE_TICKET_ENV) or DEFAULT_ROUTE_TICKET
+    if mode not in ROUTE_TICKETS:
+        raise ValueError(f"{ROUTE_TICKET_ENV} is one of {', '.join(ROUTE_TICKETS)}; got {mode!r}")
+    return layer.route_counter if mode == "layer" else route_decode_ticket()
 
 
 # Shared-experts fusion (OPENINFER_MOE_SHARED_FUSED, read when a model prepares its weights): a shared SwiGLU
@@ -1231,7 +1254,7 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
                          "pass neither shared nor shared_experts")
     # moe_route_decode's ticket zeroed before the side stream's fork point (see route_decode)
     decode = route_decode_wanted(x, layer, beside_shared=shared_experts is not None and shared_overlap(int(x.shape[0])))
-    ticket = route_decode_ticket() if decode else None
+    ticket = route_ticket(layer) if decode else None
     route_first = shared_experts is not None and shared_after_route(int(x.shape[0]))
     late_down = shared_experts is not None and shared_down_late(int(x.shape[0]), shared_experts)
     # ROUTE_BEFORE_SHARED_ENV: the fork point here, the shared experts launched after the routing
