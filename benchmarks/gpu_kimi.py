@@ -1166,7 +1166,9 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "shared_down_late": "the shared expert's down projection beside the routed one instead of their gate_up "
                         "($OPENINFER_MOE_SHARED_DOWN_LATE=1)",
     "layer_ticket": "moe_route_decode's counter kept with the layer, no zeroing node per call "
-                    "($OPENINFER_MOE_ROUTE_TICKET=layer)",
+                    "($OPENINFER_MOE_ROUTE_TICKET=layer; the default since s16 D3)",
+    "call_ticket": "moe_route_decode's counter zeroed per call by a one-thread kernel node "
+                   "($OPENINFER_MOE_ROUTE_TICKET=call; before s16 D3)",
     "mla_cluster4": "the absorbed MLA decode's splits combined on chip in clusters of up to 4 CTAs, no combine launch "
                     "($OPENINFER_MLA_TMA_CLUSTER=4)",
     "mla_cluster8": "... of up to 8 CTAs ($OPENINFER_MLA_TMA_CLUSTER=8)",
@@ -1294,6 +1296,7 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "no_route_decode": ("OPENINFER_MOE_ROUTE_DECODE", "0"),
                 "shared_down_late": (cuda_moe.SHARED_DOWN_LATE_ENV, "1"),
                 "layer_ticket": (cuda_moe.ROUTE_TICKET_ENV, "layer"),
+                "call_ticket": (cuda_moe.ROUTE_TICKET_ENV, "call"),
                 "mla_cluster4": (mla_decode_sm90.TMA_CLUSTER_ENV, "4"),
                 "mla_cluster8": (mla_decode_sm90.TMA_CLUSTER_ENV, "8"),
                 "mla_cluster16": (mla_decode_sm90.TMA_CLUSTER_ENV, "16")}

@@ -38,6 +38,8 @@ REGISTER_BLOCKS_PER_SM = 2  # 157-198 registers x 128 threads (ptxas, every tile
 # splits on chip, in a cluster of up to C CTAs (distributed shared memory; no partials, no combine launch): for
 # steps whose resident split count is at least 2, the largest of 16 / 8 / 4 / 2 within both C and that count
 # (16 is a non-portable cluster size: the kernel is allowed it at load).
+# s16 D1 (H200, Kimi-K2 layer b1 graph, results/kimi_layer_b1_s16d1_h200.json): =8 168.9 / 168.1 us vs 169.3 / 168.1
+# off; its timeline: the clustered attention 15.8 us where attention + combine took 10.2 + 4.9 (+ a gap).
 TMA_CLUSTER_ENV = "OPENINFER_MLA_TMA_CLUSTER"
 TMA_CLUSTER_CHOICES = (16, 8, 4, 2)
 # The largest cluster where $OPENINFER_MLA_TMA_CLUSTER is unset, by the step's absorbed rows: the first (most rows,

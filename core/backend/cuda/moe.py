@@ -881,20 +881,22 @@ class DeviceMoE:
     # shared-experts fusion (``fuse_shared_experts``): the last ``shared_experts`` entries of the gate_up /
     # down stacks are the layer's shared experts, routed every token with weight 1 (0: none stacked)
     shared_experts: int = 0
-    # moe_route_decode's counter kept with the layer (ROUTE_TICKET_ENV=layer): zeroed here, and zero between calls
+    # moe_route_decode's counter kept with the layer (ROUTE_TICKET_ENV, default): zeroed here, and zero between calls
     # (the kernel's last block puts it back), so no zeroing node per call. One layer's routing runs once at a time.
     route_counter: cupy.ndarray = dataclasses.field(default_factory=lambda: cupy.zeros(1, cupy.uint32), repr=False,
                                                     compare=False)
 
 
-# OPENINFER_MOE_ROUTE_TICKET (opt-in until measured): "layer" gives moe_route_decode the layer's own counter
-# (DeviceMoE.route_counter) instead of a fresh one zeroed per call by a one-thread kernel node ("call", the default):
-# the zeroing node sits on the critical path between o_proj and the router (s15 D7, Kimi-K2 layer b1: 0.9 us plus
-# a launch gap). (Zeroing it instead on a side stream forked before the attention, s16 D2: layer b1 190.8 / 191.8 /
+# OPENINFER_MOE_ROUTE_TICKET: "layer" (the default since s16 D3) gives moe_route_decode the layer's own counter
+# (DeviceMoE.route_counter) instead of a fresh one zeroed per call by a one-thread kernel node ("call"): that node sat
+# on the critical path between o_proj and the router (s15 D7, Kimi-K2 layer b1: 0.9 us plus a launch gap). s16 D3
+# (H200, Kimi-K2 layer b1 graph, alternated A B B A A B B A; results/kimi_layer_b1_s16d3_h200.json): 166.9 / 167.4 /
+# 167.0 / 167.4 us vs 168.9 / 168.3 / 168.1 / 168.7 with "call" (s13 D3b: Moonlight's step 1.009x). The state this
+# keeps across calls is one zero word a layer, which every call leaves zero. (Zeroing it instead on a side stream forked before the attention, s16 D2: layer b1 190.8 / 191.8 /
 # 192.1 / 190.8 us vs 169.0 / 168.7 / 168.8 / 169.4 without (results/kimi_layer_b1_s16d2_h200.json); deleted.)
 ROUTE_TICKET_ENV = "OPENINFER_MOE_ROUTE_TICKET"
 ROUTE_TICKETS = ("call", "layer")
-DEFAULT_ROUTE_TICKET = "call"
+DEFAULT_ROUTE_TICKET = "layer"
 
 
 def route_ticket(layer: DeviceMoE) -> cupy.ndarray:
@@ -1167,6 +1169,10 @@ class SharedExpertPhases:
 # routed INT4 gate_up reads 117 MB and already pulls ~2.9 TB/s alone, so the shared down (29 MB) beside it slows it
 # (s15 D7 timeline, Kimi-K2 layer b1: 43.7 us beside the shared down vs 40.8 alone), while the routed down
 # projection leaves bandwidth idle (62 MB at 2.7 TB/s: too few bytes in flight per SM). The same kernels and bits.
+# Within noise in s16 D1 (H200, Kimi-K2 layer b1 graph, alternated; results/kimi_layer_b1_s16d1_h200.json): 169.7 /
+# 169.2 us vs 169.3 / 168.1 (with the shared down at 4 columns a warp: 175.5 / 175.2); its timeline (_timeline_): the
+# routed gate_up 43.7 -> 39.4 us, but the routed down 23.0 -> 25.9 beside the shared down's 23.8. s16 D3, with the
+# layer's route counter: 168.2 / 167.9 / 168.5 / 168.2 vs 166.9 / 167.4 / 167.0 / 167.4 without. Kept opt-in.
 SHARED_DOWN_LATE_ENV = "OPENINFER_MOE_SHARED_DOWN_LATE"
 DEFAULT_SHARED_DOWN_LATE = False
 
@@ -1252,7 +1258,7 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     if layer.shared_experts and (shared is not None or shared_experts is not None):
         raise ValueError("this MoE layer's shared experts are fused into its expert stacks (fuse_shared_experts): "
                          "pass neither shared nor shared_experts")
-    # moe_route_decode's ticket zeroed before the side stream's fork point (see route_decode)
+    # moe_route_decode's counter (route_ticket: the layer's, or zeroed before the side stream's fork point)
     decode = route_decode_wanted(x, layer, beside_shared=shared_experts is not None and shared_overlap(int(x.shape[0])))
     ticket = route_ticket(layer) if decode else None
     route_first = shared_experts is not None and shared_after_route(int(x.shape[0]))

@@ -85,7 +85,8 @@ ROUTE_DECODE_ENV, ROUTE_DECODE_WARPS_ENV = "OPENINFER_MOE_ROUTE_DECODE", "OPENIN
 # timeline_moonlight_route13_d3b.json, one process, 2 rounds, logits equal) Moonlight step b1 / b16 2.614 -> 2.555 /
 # 7.781 -> 7.733 ms over a memset node (a memset node may run on a copy engine: ~6 us of gap before each router). The
 # memset and the per-layer counter (2.531 / 7.712, state kept across calls) were opt-in
-# (OPENINFER_MOE_ROUTE_DECODE_TICKET=call / layer) and are deleted: the per-layer one's 1.009x was not worth the state.
+# (OPENINFER_MOE_ROUTE_DECODE_TICKET=call / layer) and were deleted: the per-layer one's 1.009x was not worth the state.
+# Since s16 D3 the per-layer counter is back as the default (moe.py ROUTE_TICKET_ENV): 1.3 us a Kimi-K2 layer at b1.
 ROUTE_DECODE_MAX_TOKENS, ROUTE_DECODE_MAX_HIDDEN = 64, 8192  # moe_route_decode: ≤ 32 16-byte chunks a lane
 ROUTE_DECODE_X_BYTES = 44 * 1024  # moe_route_decode's staged x rows (static shared memory)
 DEFAULT_ROUTE_DECODE = True
