@@ -621,7 +621,10 @@ mla_combine_splits_flat(const float* __restrict__ partial_o, const float* __rest
 // A latent row in shared memory: KV_LORA bf16 as pairs, padded by 4 pairs so the 8 rows of an A fragment load
 // fall in different banks.
 #define COMBINE_EXPAND_ROW (KV_LORA / 2 + 4)
-extern "C" __global__ void __launch_bounds__(COMBINE_EXPAND_THREADS)
+// 512 threads an SM (at most 128 registers a thread): the W_UV fragments held across the merge without spills
+// (ptxas left alone chose 64 - 72 registers and spilled), and Kimi-K2's 64 heads in one wave at every build.
+#define COMBINE_EXPAND_MIN_BLOCKS (512 / COMBINE_EXPAND_THREADS)
+extern "C" __global__ void __launch_bounds__(COMBINE_EXPAND_THREADS, COMBINE_EXPAND_MIN_BLOCKS)
 mla_combine_expand(const float* __restrict__ partial_o /* [T, H, S, KV_LORA] */,
                    const float* __restrict__ partial_ml /* [T, H, S, 2] */, int num_splits,
                    const bf16* __restrict__ o_latent /* [T, H, KV_LORA]: the rows written whole */,
