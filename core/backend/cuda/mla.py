@@ -12,7 +12,8 @@ One step, T new tokens, H heads::
 With ``OPENINFER_MLA_FUSED_WRITE`` a decode step (one new token per sequence) runs three launches: W_UK over q
 where the projection wrote it, ``mla_attention_tma`` computing each token's latent row itself (stored by head block 0,
 patched into its own tile) and rotating q_pe as it loads it, then W_UV (and the split combine where the splits are
-not combined in the kernel).
+not combined in the kernel; with ``OPENINFER_MLA_COMBINE_EXPAND`` the combine and W_UV are one launch,
+``mla_combine_expand``). ``attend_and_expand`` runs every absorbed step after W_UK.
 
 Sequences that bring at least ``PREFILL_MIN_QUERY`` new tokens (prompts, prefill chunks) take the
 decompressed form instead, where tensor cores pay for expanding the latents::
