@@ -1063,6 +1063,8 @@ def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x
     q_latent = cuda_mla.absorb_queries(backend.blas, q, attention["w_uk"], spec)
     o_latent = cuda_mla.absorbed_attention(q_latent, q, cache, spec, batch, None, backend.num_sms, absorbed_kernel)
     partials = cuda_mla.attend_splits(q_latent, q, cache, spec, batch, None, backend.num_sms, absorbed_kernel)[1]
+    # $OPENINFER_MLA_COMBINE_EXPAND: the combine and W_UV as one op (mla_combine_expand), as mla_forward runs them
+    fused_columns = cuda_mla.combine_expand_columns(int(q.shape[0]), partials.splits if partials else 1, spec)
     h = backend.linear(attn, attention["o_proj"])
     shared_hidden = backend.linear(h, shared[0])
     shared_out = backend.silu_mul_linear(shared_hidden, shared[1])
@@ -1084,9 +1086,11 @@ def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x
         ("mla_attention", partial(cuda_mla.attend_splits, q_latent, q, cache, spec, batch, None, backend.num_sms,
                                   absorbed_kernel)),
         *([("mla_combine", partial(cuda_mla.combine_splits, partials, cupy.empty_like(q_latent), spec))]
-          if partials is not None else []),
-        ("mla_w_uv", partial(cuda_mla.expand_values, backend.blas, o_latent, attention["w_uv"], spec,
-                             cupy.empty_like(attn))),
+          if partials is not None and not fused_columns else []),
+        *([("mla_w_uv", partial(cuda_mla.expand_values, backend.blas, o_latent, attention["w_uv"], spec,
+                                cupy.empty_like(attn)))] if not fused_columns else []),
+        *([("mla_combine_expand", partial(cuda_mla.combine_expand, partials, o_latent, attention["w_uv"], spec,
+                                          cupy.empty_like(attn), fused_columns))] if fused_columns else []),
         ("o_proj", partial(backend.linear, attn, attention["o_proj"])),
         ("shared_gate_up", partial(backend.linear, h, shared[0])),
         ("shared_silu+down", partial(backend.silu_mul_linear, shared_hidden, shared[1])),
@@ -1154,6 +1158,9 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "gemv_cols4": "gemv_m1's warps own 4 columns each ($OPENINFER_GEMV_M1_COLS=4)",
     "absorb_small": "W_UK as mla_absorb_small instead of cuBLAS's batched GEMM ($OPENINFER_MLA_ABSORB_SMALL=1)",
     "expand_small": "W_UV as mla_expand_small instead of cuBLAS's batched GEMM ($OPENINFER_MLA_EXPAND_SMALL=1)",
+    **{f"combine_expand{columns}": f"the split combine and W_UV as one launch, mla_combine_expand with {columns} "
+       f"columns a block ($OPENINFER_MLA_COMBINE_EXPAND={columns}; bit-equal to the combine + expand_small)"
+       for columns in (16, 32, 64)},
     "shared_after_route": "the shared expert's side stream forked after the routing ($OPENINFER_MOE_SHARED_AFTER_ROUTE=1)",
     "route_before_shared": "the routing launched before the shared experts ($OPENINFER_MOE_ROUTE_BEFORE_SHARED=1)",
     "route_decode": "a decode step's routing in one launch, moe_route_decode ($OPENINFER_MOE_ROUTE_DECODE=1)",
@@ -1291,6 +1298,8 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "gemv_beside1": (cuda_linear.GEMV_M1_COLS_BESIDE_ENV, "1"),
                 "gemv_beside4": (cuda_linear.GEMV_M1_COLS_BESIDE_ENV, "4"),
                 "absorb_small": (cuda_mla.ABSORB_SMALL_ENV, "1"), "expand_small": (cuda_mla.EXPAND_SMALL_ENV, "1"),
+                **{f"combine_expand{columns}": (cuda_mla.COMBINE_EXPAND_ENV, str(columns))
+                   for columns in cuda_mla.COMBINE_EXPAND_CHOICES},
                 "shared_after_route": (cuda_moe.SHARED_AFTER_ROUTE_ENV, "1"),
                 "no_int4_row_blocks": (cuda_moe.INT4_ROW_BLOCKS_ENV, "1"), "no_rms_scaled": ("OPENINFER_RMS_SCALED_GEMV", "0"),
                 "no_shared_after_route": (cuda_moe.SHARED_AFTER_ROUTE_ENV, "0"),

@@ -242,7 +242,6 @@ mla_write_absorb(const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __r
 #define EXPAND_MAX_TOKENS 64  // core's EXPAND_SMALL_MAX_TOKENS
 #define EXPAND_WARPS 4        // each a quarter of the KV_LORA dims
 
-#ifndef MMA_HOST_STANDIN
 // W_UV for small steps on tensor cores (out[t, h·V_DIM + v] = Σ_j o_latent[t, h, j] · W_UV[h][v][j]), T <= 64:
 // grid (num_heads, V_DIM / 16), EXPAND_WARPS warps. Block (h, c): columns 16c .. 16c + 15 of head h for every
 // row; warp w multiplies dims [w · KV_LORA / 4, (w + 1) · KV_LORA / 4) (mma m16n8k16, fragments loaded straight
@@ -307,7 +306,6 @@ mla_expand_small(const bf16* __restrict__ o_latent /* [T, H, KV_LORA] */, const 
         out[((long long)t * num_heads + h) * V_DIM + column0 + c] = __float2bfloat16_rn(sum);
     }
 }
-#endif  // MMA_HOST_STANDIN
 
 // --- shared by mla_attention and mla_attention_mma ---------------------------------------------
 
@@ -544,28 +542,24 @@ extern "C" __global__ void mla_combine_splits_wide(const float* __restrict__ par
 // wide kernel stores them), the same total and the same fused multiply-adds in split order: bit-equal.
 #define COMBINE_FLAT_CHUNK 16
 #define COMBINE_FLAT_THREADS 256
-#ifndef MMA_HOST_STANDIN  // vector types and intrinsics the host stand-in has not
-extern "C" __global__ void __launch_bounds__(COMBINE_FLAT_THREADS)
-mla_combine_splits_flat(const float* __restrict__ partial_o, const float* __restrict__ partial_ml, int num_splits,
-                        int num_rows /* T·H */, bf16* __restrict__ out) {
-    const long long i = (long long)blockIdx.x * COMBINE_FLAT_THREADS + threadIdx.x;
-    if (i >= (long long)num_rows * (KV_LORA / 4)) return;
-    const long long head = i / (KV_LORA / 4);
-    const int d = (int)(i % (KV_LORA / 4)) * 4;
-    const float2* ml = reinterpret_cast<const float2*>(partial_ml + head * num_splits * 2);
-    if (ml[0].x == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
+
+// The weighted sums of dims d .. d + 3 of one head row over its splits and their total weight, from the splits'
+// (max, sum) pairs `ml` and partial rows (`column`: dim d of split 0's row, KV_LORA apart); the merged dim is
+// sum / total (0 where total is 0). mla_combine_splits_flat's sums, shared with mla_combine_expand so both write
+// the same bits. The caller skips a row whose split 0 says max = +inf.
+__device__ __forceinline__ void mla_merge_splits4(const float2* __restrict__ ml, const float* __restrict__ column,
+                                                  int num_splits, float (&sum)[4], float& total) {
     float m = -INFINITY;
     for (int z = 0; z < num_splits; ++z) {
         const float2 split = ml[z];
         if (split.y > 0.f) m = fmaxf(m, split.x);
     }
-    float total = 0.f;  // in split order, as mla_combine_splits sums
+    total = 0.f;  // in split order, as mla_combine_splits sums
     for (int z = 0; z < num_splits; ++z) {
         const float2 split = ml[z];
         if (split.y > 0.f) total += __fmul_rn(__expf(split.x - m), split.y);
     }
-    const float* column = partial_o + head * num_splits * KV_LORA + d;
-    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int e = 0; e < 4; ++e) sum[e] = 0.f;
     for (int z0 = 0; z0 < num_splits; z0 += COMBINE_FLAT_CHUNK) {
         float weight[COMBINE_FLAT_CHUNK];  // < 0: an empty split (or past the last)
         float4 o[COMBINE_FLAT_CHUNK];
@@ -586,6 +580,19 @@ mla_combine_splits_flat(const float* __restrict__ partial_o, const float* __rest
             sum[3] = fmaf(weight[k], o[k].w, sum[3]);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(COMBINE_FLAT_THREADS)
+mla_combine_splits_flat(const float* __restrict__ partial_o, const float* __restrict__ partial_ml, int num_splits,
+                        int num_rows /* T·H */, bf16* __restrict__ out) {
+    const long long i = (long long)blockIdx.x * COMBINE_FLAT_THREADS + threadIdx.x;
+    if (i >= (long long)num_rows * (KV_LORA / 4)) return;
+    const long long head = i / (KV_LORA / 4);
+    const int d = (int)(i % (KV_LORA / 4)) * 4;
+    const float2* ml = reinterpret_cast<const float2*>(partial_ml + head * num_splits * 2);
+    if (ml[0].x == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
+    float sum[4], total;
+    mla_merge_splits4(ml, partial_o + head * num_splits * KV_LORA + d, num_splits, sum, total);
     __nv_bfloat162 pairs[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e)
@@ -593,7 +600,103 @@ mla_combine_splits_flat(const float* __restrict__ partial_o, const float* __rest
                                          total > 0.f ? sum[2 * e + 1] / total : 0.f);
     *reinterpret_cast<uint2*>(out + head * KV_LORA + d) = *reinterpret_cast<const uint2*>(pairs);
 }
-#endif  // MMA_HOST_STANDIN
+
+// The split combine and W_UV in one launch for small decode steps (T <= COMBINE_EXPAND_MAX_TOKENS): grid
+// (num_heads, V_DIM / COMBINE_EXPAND_COLUMNS), COMBINE_EXPAND_GROUPS x EXPAND_WARPS warps. Block (h, c) first
+// merges head h's splits of every row into bf16 latent rows in shared memory (mla_merge_splits4: the bits
+// mla_combine_splits_flat / _wide write; a row written whole by its one split is read from o_latent), then
+// multiplies them by columns c · COMBINE_EXPAND_COLUMNS ... of W_UV[h]: each group of EXPAND_WARPS warps 16 columns
+// as one mla_expand_small block does them (the same fragments, k order and cross-warp sum: the same bits).
+// Every column block of a head merges that head's partials again (L2 reads); fewer, wider blocks read less and
+// run fewer warps in parallel, hence the 16 / 32 / 64 builds. Removes the combine's launch and o_latent's trip.
+#ifndef COMBINE_EXPAND_COLUMNS
+#define COMBINE_EXPAND_COLUMNS 16  // 16, 32 or 64 (core's $OPENINFER_MLA_COMBINE_EXPAND)
+#endif
+#if COMBINE_EXPAND_COLUMNS != 16 && COMBINE_EXPAND_COLUMNS != 32 && COMBINE_EXPAND_COLUMNS != 64
+#error "COMBINE_EXPAND_COLUMNS is 16, 32 or 64"
+#endif
+#define COMBINE_EXPAND_MAX_TOKENS 16  // core's COMBINE_EXPAND_MAX_TOKENS: the rows of one mma tile
+#define COMBINE_EXPAND_GROUPS (COMBINE_EXPAND_COLUMNS / EXPAND_COLUMNS)
+#define COMBINE_EXPAND_THREADS (32 * EXPAND_WARPS * COMBINE_EXPAND_GROUPS)
+// A latent row in shared memory: KV_LORA bf16 as pairs, padded by 4 pairs so the 8 rows of an A fragment load
+// fall in different banks.
+#define COMBINE_EXPAND_ROW (KV_LORA / 2 + 4)
+// 512 threads an SM (at most 128 registers a thread): the W_UV fragments held across the merge without spills
+// (ptxas left alone chose 64 - 72 registers and spilled), and Kimi-K2's 64 heads in one wave at every build.
+#define COMBINE_EXPAND_MIN_BLOCKS (512 / COMBINE_EXPAND_THREADS)
+extern "C" __global__ void __launch_bounds__(COMBINE_EXPAND_THREADS, COMBINE_EXPAND_MIN_BLOCKS)
+mla_combine_expand(const float* __restrict__ partial_o /* [T, H, S, KV_LORA] */,
+                   const float* __restrict__ partial_ml /* [T, H, S, 2] */, int num_splits,
+                   const bf16* __restrict__ o_latent /* [T, H, KV_LORA]: the rows written whole */,
+                   const bf16* __restrict__ w_uv /* [H, V_DIM, KV_LORA] */, int num_tokens, int num_heads,
+                   bf16* __restrict__ out /* [T, H·V_DIM] */) {
+    __shared__ __align__(16) unsigned latent[COMBINE_EXPAND_MAX_TOKENS][COMBINE_EXPAND_ROW];
+    __shared__ float partial[COMBINE_EXPAND_GROUPS][EXPAND_WARPS][COMBINE_EXPAND_MAX_TOKENS][EXPAND_COLUMNS];
+    const int h = blockIdx.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group = lane >> 2, pair = (lane & 3) * 2;
+    const int k_warp = warp % EXPAND_WARPS, column_group = warp / EXPAND_WARPS;
+    const int column0 = blockIdx.y * COMBINE_EXPAND_COLUMNS + column_group * EXPAND_COLUMNS;
+    constexpr int STEPS = KV_LORA / EXPAND_WARPS / 16;
+    // the warp's W_UV fragments first (mla_expand_small's): they do not wait for the merge, so in flight during it
+    const bf16* weights = w_uv + ((long long)h * V_DIM + column0) * KV_LORA;
+    unsigned b[STEPS][2][2];
+#pragma unroll
+    for (int step = 0; step < STEPS; ++step)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            const bf16* row = weights + (long long)(8 * n + group) * KV_LORA + (k_warp * STEPS + step) * 16 + pair;
+            b[step][n][0] = *reinterpret_cast<const unsigned*>(row);
+            b[step][n][1] = *reinterpret_cast<const unsigned*>(row + 8);
+        }
+    for (int i = threadIdx.x; i < num_tokens * (KV_LORA / 4); i += COMBINE_EXPAND_THREADS) {
+        const int t = i / (KV_LORA / 4), d = (i % (KV_LORA / 4)) * 4;
+        const long long head = (long long)t * num_heads + h;
+        const float2* ml = reinterpret_cast<const float2*>(partial_ml + head * num_splits * 2);
+        uint2 pairs;
+        if (ml[0].x == INFINITY) {  // written whole by its one split: the row is in o_latent
+            pairs = *reinterpret_cast<const uint2*>(o_latent + head * KV_LORA + d);
+        } else {
+            float sum[4], total;  // then as mla_combine_splits_flat rounds them
+            mla_merge_splits4(ml, partial_o + head * num_splits * KV_LORA + d, num_splits, sum, total);
+            pairs.x = pack_bf16x2(total > 0.f ? sum[0] / total : 0.f, total > 0.f ? sum[1] / total : 0.f);
+            pairs.y = pack_bf16x2(total > 0.f ? sum[2] / total : 0.f, total > 0.f ? sum[3] / total : 0.f);
+        }
+        *reinterpret_cast<uint2*>(&latent[t][d / 2]) = pairs;
+    }
+    __syncthreads();
+    float acc[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[n][v] = 0.f;
+    const bool lo_row = group < num_tokens, hi_row = group + 8 < num_tokens;  // rows past T: zeros
+#pragma unroll
+    for (int step = 0; step < STEPS; ++step) {
+        const int k0 = ((k_warp * STEPS + step) * 16 + pair) / 2;  // in pairs
+        unsigned a[4];
+        a[0] = lo_row ? latent[group][k0] : 0u;
+        a[1] = hi_row ? latent[group + 8][k0] : 0u;
+        a[2] = lo_row ? latent[group][k0 + 4] : 0u;
+        a[3] = hi_row ? latent[group + 8][k0 + 4] : 0u;
+        mma_bf16_16816(acc[0], a, b[step][0][0], b[step][0][1]);
+        mma_bf16_16816(acc[1], a, b[step][1][0], b[step][1][1]);
+    }
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int v = 0; v < 4; ++v)
+            partial[column_group][k_warp][group + 8 * (v >> 1)][8 * n + pair + (v & 1)] = acc[n][v];
+    __syncthreads();
+    for (int i = threadIdx.x; i < num_tokens * COMBINE_EXPAND_COLUMNS; i += COMBINE_EXPAND_THREADS) {
+        const int t = i / COMBINE_EXPAND_COLUMNS, c = i % COMBINE_EXPAND_COLUMNS;
+        const int g = c / EXPAND_COLUMNS, column = c % EXPAND_COLUMNS;
+        float sum = partial[g][0][t][column];  // in warp order, as mla_expand_small sums
+#pragma unroll
+        for (int w = 1; w < EXPAND_WARPS; ++w) sum += partial[g][w][t][column];
+        out[((long long)t * num_heads + h) * V_DIM + blockIdx.y * COMBINE_EXPAND_COLUMNS + c] =
+            __float2bfloat16_rn(sum);
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Decompressed prefill.

@@ -40,7 +40,10 @@ VARIANTS = {
                 "TILED_STREAM_LOADS": 1, "TILED_ROTATE": 1, "TILED_FUSE_SILU": 1},
                {"WEIGHT_FORMAT": 1, "GROUP": 32, "INT4_TILED": 1, "TILED_NTILES": 1, "TILED_DEPTH": 6,
                 "TILED_ROW_BLOCKS": 2}],
-    "mla.cu": [{"KV_LORA": 512, "ROPE_DIM": 64}, {"KV_LORA": 512, "ROPE_DIM": 64, "MLA_ASYNC_TILES": 1}],
+    "mla.cu": [{"KV_LORA": 512, "ROPE_DIM": 64}, {"KV_LORA": 512, "ROPE_DIM": 64, "MLA_ASYNC_TILES": 1},
+               # mla_combine_expand's wider column blocks ($OPENINFER_MLA_COMBINE_EXPAND; 16 is the default build)
+               {"KV_LORA": 512, "ROPE_DIM": 64, "COMBINE_EXPAND_COLUMNS": 32},
+               {"KV_LORA": 512, "ROPE_DIM": 64, "COMBINE_EXPAND_COLUMNS": 64}],
     # Qwen3.5's fused decode: the conv width compiled in (as its cuda_ops builds it) and the runtime-width build
     "gdn_decode.cu": [{}, {"CONV_WIDTH": 4}],
     "prefill_attention_sm90.cu": [{"HEAD_DIM": 128}, {"HEAD_DIM": 256},

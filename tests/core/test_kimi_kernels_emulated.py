@@ -274,6 +274,53 @@ def test_mla_kernels_match_numpy(tmp_path, case):
     assert np.array_equal(read_array(tmp_path, "out_mma_shared", np.uint16, out_mma.shape), out_mma)
 
 
+
+# (rows, context splits): one decode row over 33 splits (three 16-split chunks, the last ragged), 3 rows over 5,
+# the row cap of 16 over 20
+COMBINE_EXPAND_CASES = [(1, 33), (3, 5), (16, 20)]
+
+
+@pytest.mark.parametrize("columns", [16, 32, 64])
+@pytest.mark.parametrize(("tokens", "splits"), COMBINE_EXPAND_CASES)
+def test_mla_combine_expand_bit_equal_to_combine_then_expand(tmp_path, columns, tokens, splits):
+    """mla_combine_expand (each column block merging its head's splits into shared memory, then W_UV on the mma
+    stand-in) writes the bits of mla_combine_splits_flat followed by mla_expand_small, at each column count; with
+    empty splits scattered (none in some rows, all but one in others), a row with none at all and rows written
+    whole by their one split (split 0's max = +inf: read from o_latent). Kimi-K2's latent 512 and v 128."""
+    rng = np.random.default_rng(tokens * 100 + columns)
+    heads, lora, v = 3, 512, 128
+    binary = build(tmp_path, f"combine_expand{columns}", {"MLA_COMBINE_EXPAND": 1, "COMBINE_EXPAND_COLUMNS": columns})
+    partial_o = rng.standard_normal((tokens, heads, splits, lora)).astype(np.float32)
+    maxima = (3 * rng.standard_normal((tokens, heads, splits))).astype(np.float32)
+    sums = rng.uniform(0.5, 4.0, (tokens, heads, splits)).astype(np.float32)
+    empty = rng.random((tokens, heads, splits)) < 0.3
+    empty[0, 0] = True  # a row with no keys at all: zeros
+    empty[-1, 1] = np.arange(splits) != splits // 2  # one non-empty split, mid-row
+    maxima[empty], sums[empty] = -np.inf, 0.0  # as the attention kernels leave an empty split
+    whole = rng.random((tokens, heads)) < 0.25  # rows a single split wrote whole
+    whole[0, 0] = whole[-1, 1] = False
+    whole[-1, 2] = True
+    maxima[whole, 0] = np.inf
+    partial_ml = np.stack([maxima, sums], -1)
+    o_latent = bf16(rng.standard_normal((tokens, heads, lora)))
+    w_uv = bf16(0.05 * rng.standard_normal((heads, v, lora)))
+    run_harness(binary, tmp_path, params=np.array([tokens, heads, splits], np.int32), partial_o=partial_o,
+                partial_ml=partial_ml, o_latent=float32_to_bf16(o_latent), w_uv=float32_to_bf16(w_uv))
+    out_bits = np.fromfile(tmp_path / "out.bin", np.uint16)
+    assert np.array_equal(np.fromfile(tmp_path / "out_fused.bin", np.uint16), out_bits)
+    # and the pair itself against NumPy: the merged rows (o_latent's where written whole), then W_UV
+    with np.errstate(invalid="ignore", divide="ignore"):
+        weights = np.where(empty, 0.0, np.exp(maxima - maxima.max(-1, keepdims=True, initial=-np.inf,
+                                                                    where=~empty)) * sums)
+        merged = (weights[..., None] * partial_o).sum(2) / weights.sum(-1)[..., None]
+    merged = np.where(whole[..., None], o_latent, np.nan_to_num(merged))
+    combined = read_array(tmp_path, "combined", np.uint16, (tokens, heads, lora))
+    assert np.array_equal(combined[whole], o_latent[whole])
+    assert np.array_equal(combined[0, 0], np.zeros(lora, np.float32))
+    assert relative_error(combined, merged) < 1e-2
+    out = read_array(tmp_path, "out", np.uint16, (tokens, heads, v))
+    assert relative_error(out, np.einsum("thl,hvl->thv", combined, w_uv)) < 1e-2
+
 def test_mla_decompressed_prefill_matches_numpy(tmp_path):
     """The decompressed prefill (context gather + tensor-core flash attention, mma emulated per
     warp) against ``mla_naive``: a fresh 70-token prompt (a full and a partial 64-query tile), a

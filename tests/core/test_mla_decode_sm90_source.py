@@ -50,6 +50,24 @@ def test_mla_write_absorb_keeps_its_accumulators_in_registers(tmp_path):
     assert found and found.groups() == ("0", "0"), result.stderr
 
 
+
+@pytest.mark.parametrize("columns", [16, 32, 64])
+def test_mla_combine_expand_keeps_its_fragments_in_registers(columns, tmp_path):
+    """mla.cu's mla_combine_expand ($OPENINFER_MLA_COMBINE_EXPAND's 16 / 32 / 64 columns a block): no stack frame
+    (each warp's W_UV fragments, loaded before the merge, held beside the merge's 16 partial vectors in flight) and
+    at most 128 registers a thread (512 threads an SM)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    result = subprocess.run([nvcc, "-arch=sm_90a", "-std=c++17", f"-I{KERNEL_DIR}", "-DKV_LORA=512", "-DROPE_DIM=64",
+                             f"-DCOMBINE_EXPAND_COLUMNS={columns}", "-Xptxas", "-v", "-cubin",
+                             str(KERNEL_DIR / "mla.cu"), "-o", str(tmp_path / "out.cubin")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    found = re.search(r"Function properties for mla_combine_expand\n\s*(\d+) bytes stack frame, (\d+) bytes spill "
+                      r"stores.*?\n.*?Used (\d+) registers", result.stderr)
+    assert found and found.groups()[:2] == ("0", "0") and int(found.group(3)) <= 128, result.stderr
+
 @pytest.mark.parametrize("write,staged", [(1, 0), (0, 1), (1, 1)])
 def test_tma_decode_builds_with_fused_write(write, staged, tmp_path):
     """TMA_FUSED_WRITE=1 (the latent write folded in, core's $OPENINFER_MLA_FUSED_WRITE) and TMA_Q_TILE=1 (the query

@@ -862,3 +862,111 @@ def test_tma_staged_queries_bit_equal(cuda_backend, rng, monkeypatch, heads, ste
     monkeypatch.setenv(mla_decode_sm90.Q_TILE_ENV, "yes")
     with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_Q_TILE"):
         mla_decode_sm90.q_tile()
+
+
+def _split_partials(rng, rows: int, heads: int, splits: int, lora: int):
+    """Random fp32 partials of ``splits`` context splits per (row, head) as the attention kernels leave them: about a
+    third of the splits empty (max -inf, sum 0), one head row with no keys at all, one with a single non-empty split,
+    and about a fifth written whole by their one split (split 0's max +inf; their rows in ``o_latent``)."""
+    maxima = (3 * rng.standard_normal((rows, heads, splits))).astype(np.float32)
+    sums = rng.uniform(0.5, 4.0, (rows, heads, splits)).astype(np.float32)
+    empty = rng.random((rows, heads, splits)) < 0.3
+    empty[0, 0] = True
+    empty[-1, 1] = np.arange(splits) != splits // 2
+    maxima[empty], sums[empty] = -np.inf, 0.0
+    whole = rng.random((rows, heads)) < 0.2
+    whole[0, 0] = whole[-1, 1] = False
+    whole[-1, -1] = True
+    maxima[whole, 0] = np.inf
+    partial_o = rng.standard_normal((rows, heads, splits, lora)).astype(np.float32)
+    return partial_o, np.stack([maxima, sums], -1), whole
+
+
+@pytest.mark.parametrize("columns", [16, 32, 64])
+@pytest.mark.parametrize("splits", [5, 33, 64])
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("heads", [16, 64])
+def test_combine_expand_bit_equal_to_combine_then_expand_small(cuda_backend, rng, monkeypatch, columns, splits, rows,
+                                                               heads):
+    """mla_combine_expand ($OPENINFER_MLA_COMBINE_EXPAND=16 / 32 / 64) gives the bits of the split combine (flat and
+    wide, themselves bit-equal) followed by mla_expand_small, on partials with empty splits, a head row with none,
+    one with a single split and rows written whole by their one split (read from o_latent)."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from tests.gpu.conftest import bf16_random
+
+    spec = _spec(heads)
+    lora, v = spec.kv_lora_rank, spec.v_head_dim
+    partial_o, partial_ml, whole = _split_partials(rng, rows, heads, splits, lora)
+    partials = cuda_mla.SplitPartials(cupy.asarray(partial_o), cupy.asarray(partial_ml), splits)
+    written = bf16_random(rng, rows, heads, lora)
+    w_uv = cuda_backend.weight(bf16_random(rng, heads, v, lora, scale=0.05))
+    monkeypatch.setenv(cuda_mla.EXPAND_SMALL_ENV, "1")
+    outs = {}
+    for combine in ("flat", "wide"):
+        monkeypatch.setenv(cuda_mla.COMBINE_ENV, combine)
+        o_latent = cuda_backend.upload(written)
+        cuda_mla.combine_splits(partials, o_latent, spec)
+        out = cupy.empty((rows, heads * v), dtype=cupy.uint16)
+        cuda_mla.expand_values(cuda_backend.blas, o_latent, w_uv, spec, out)
+        outs[combine] = cuda_backend.to_host(out)
+        merged = cuda_backend.to_host(o_latent)
+    assert np.array_equal(outs["flat"], outs["wide"])
+    assert np.array_equal(merged[whole], written[whole])
+    monkeypatch.setenv(cuda_mla.COMBINE_EXPAND_ENV, str(columns))
+    assert cuda_mla.combine_expand_columns(rows, splits, spec) == columns
+    out = cupy.full((rows, heads * v), 0xFFFF, dtype=cupy.uint16)
+    o_latent = cuda_backend.upload(written)
+    cuda_mla.combine_expand(partials, o_latent, w_uv, spec, out, columns)
+    assert np.array_equal(cuda_backend.to_host(out), outs["flat"])
+    assert np.array_equal(cuda_backend.to_host(o_latent), written)  # read (its whole rows), never written
+    reference = np.einsum("thl,hvl->thv", merged, cuda_backend.to_host(w_uv)).reshape(rows, heads * v)
+    assert relative_error(outs["flat"], reference) < 1e-2
+
+
+@pytest.mark.parametrize("columns", ["16", "32", "64"])
+@pytest.mark.parametrize("decodes", ["ragged", "one-long", "sixteen"])
+@pytest.mark.parametrize("kernel", ["mma_shared", "tma"])
+@pytest.mark.parametrize("heads", [16, 64])
+def test_combine_expand_forward_bit_equal_to_expand_small(cuda_backend, rng, monkeypatch, columns, decodes, kernel,
+                                                          heads):
+    """A whole mla_forward decode step with $OPENINFER_MLA_COMBINE_EXPAND on gives the bits of the step with it off
+    and $OPENINFER_MLA_EXPAND_SMALL=1 (the combine, then mla_expand_small), eager and as a replayed CUDA graph; the
+    fused kernel ran (the tma kernel's balanced splits leave some rows whole: read from o_latent)."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if kernel == "tma" and not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
+    monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, "0")  # partials to combine (a cluster combines on chip)
+    monkeypatch.setenv(cuda_mla.EXPAND_SMALL_ENV, "1")
+    spec = _spec(heads)
+    step = ragged_mla_step(rng, spec, *_decode_rows(decodes), BLOCK_SIZE)
+    device_cache = cuda_backend.upload(step[1]).reshape(step[1].shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    monkeypatch.setenv(cuda_mla.COMBINE_EXPAND_ENV, "0")
+    plain = _stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=False)
+    assert relative_error(plain, step[7]) < BF16_TOL
+    fused_columns = []
+    launch = cuda_mla.combine_expand
+
+    def counted(partials, o_latent, w_uv, spec, out, columns):
+        fused_columns.append(columns)
+        launch(partials, o_latent, w_uv, spec, out, columns)
+
+    monkeypatch.setattr(cuda_mla, "combine_expand", counted)
+    monkeypatch.setenv(cuda_mla.COMBINE_EXPAND_ENV, columns)
+    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=False), plain)
+    assert fused_columns and set(fused_columns) == {int(columns)}
+    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=True), plain)
+
+
+@pytest.mark.parametrize("columns", ["16", "64"])
+@pytest.mark.parametrize("kernel", ["mma_shared", "tma"])
+def test_combine_expand_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, columns, kernel):
+    """A decode step with mla_combine_expand captured in a CUDA graph and replayed gives the eager step's bits."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    if kernel == "tma" and not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.setenv(cuda_mla.COMBINE_EXPAND_ENV, columns)
+    _graph_replay_equals_eager(cuda_backend, rng, kernel)

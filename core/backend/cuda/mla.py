@@ -12,7 +12,8 @@ One step, T new tokens, H heads::
 With ``OPENINFER_MLA_FUSED_WRITE`` a decode step (one new token per sequence) runs three launches: W_UK over q
 where the projection wrote it, ``mla_attention_tma`` computing each token's latent row itself (stored by head block 0,
 patched into its own tile) and rotating q_pe as it loads it, then W_UV (and the split combine where the splits are
-not combined in the kernel).
+not combined in the kernel; with ``OPENINFER_MLA_COMBINE_EXPAND`` the combine and W_UV are one launch,
+``mla_combine_expand``). ``attend_and_expand`` runs every absorbed step after W_UK.
 
 Sequences that bring at least ``PREFILL_MIN_QUERY`` new tokens (prompts, prefill chunks) take the
 decompressed form instead, where tensor cores pay for expanding the latents::
@@ -141,6 +142,18 @@ ABSORB_SMALL_BUILDS = (4, WRITE_ABSORB_MAX_TOKENS)
 # from global memory) instead of cuBLAS's batched GEMM in steps of at most EXPAND_SMALL_MAX_TOKENS rows.
 EXPAND_SMALL_ENV = "OPENINFER_MLA_EXPAND_SMALL"
 EXPAND_SMALL_MAX_TOKENS, EXPAND_SMALL_COLUMNS, EXPAND_SMALL_THREADS = 64, 16, 128  # mla.cu EXPAND_*
+# Opt-in until measured on the device: $OPENINFER_MLA_COMBINE_EXPAND=16 / 32 / 64 runs the split combine and W_UV as
+# one kernel, mla_combine_expand, in steps with splits to combine and at most COMBINE_EXPAND_MAX_TOKENS rows: each
+# block merges its head's splits into bf16 latent rows in shared memory and multiplies them by that many columns of
+# W_UV[h] at once (mla_expand_small's mma), so one launch and no o_latent round trip between the two. Why: s16's
+# CUPTI timeline of a Kimi-K2 layer at batch 1 (H200, 64 heads, 1k context, 33+ splits) had the combine at 4.8 us,
+# W_UV 4.5 us and ~0.5 us between them. Bit-equal to the combine (flat or wide) then mla_expand_small
+# ($OPENINFER_MLA_EXPAND_SMALL=1). Each column block merges its head's partials again (more L2 reads with fewer
+# columns, more blocks in parallel): the three column counts are for the device A/B. 0 (default): two launches.
+COMBINE_EXPAND_ENV = "OPENINFER_MLA_COMBINE_EXPAND"
+COMBINE_EXPAND_CHOICES = (16, 32, 64)  # mla.cu COMBINE_EXPAND_COLUMNS builds
+DEFAULT_COMBINE_EXPAND = 0
+COMBINE_EXPAND_MAX_TOKENS = 16  # mla.cu: the rows of one mma tile
 # Deleted in s15: $OPENINFER_MLA_PDL (opt-in PDL of the decode kernels), within noise and racy. s15 D2 (H200,
 # Kimi-K2 layer b1 graph, results/kimi_layer_b1_s15d2_h200.json) 173.5 / 174.1 us vs 173.6 / 173.7 without;
 # s12 D1 Moonlight b1 / b16 / b64 0.990 / 1.000 / 1.006x. s15 D6a (H200): test_pdl_decode_bit_equal_to_plain_
@@ -378,27 +391,24 @@ def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy
     if plan is None and write_absorb_fits(num_tokens, spec):
         q = cupy.ascontiguousarray(q)  # its rope dims are rotated in place: callers pass a buffer they own
         q_latent = write_latent_absorb(q, latent, cache, kv_a_norm, w_uk, spec, batch, cos, sin, eps)
-        o_latent = absorbed_attention(q_latent, q, cache, spec, batch, None, num_sms, absorbed_kernel)
-        expand_values(blas, o_latent, w_uv, spec, out)
+        attend_and_expand(blas, q_latent, q, cache, w_uv, spec, batch, out, None, num_sms, absorbed_kernel)
         return out
     if plan is None and absorb_side():
         q = cupy.ascontiguousarray(q)  # its rope dims are rotated in place: callers pass a buffer they own
         q_latent = write_latent_beside_absorb(blas, q, latent, cache, kv_a_norm, w_uk, spec, batch, cos, sin, eps)
-        o_latent = absorbed_attention(q_latent, q, cache, spec, batch, None, num_sms, absorbed_kernel)
-        expand_values(blas, o_latent, w_uv, spec, out)
+        attend_and_expand(blas, q_latent, q, cache, w_uv, spec, batch, out, None, num_sms, absorbed_kernel)
         return out
     if plan is None and fused_write_fits(q, spec, batch):
         q_latent = absorb_queries(blas, q, w_uk, spec)  # q's nope dims where they lie
         write = LatentWrite(latent, kv_a_norm, eps, cos, sin)
-        o_latent = absorbed_attention(q_latent, q, cache, spec, batch, None, num_sms, absorbed_kernel,
-                                      latent_write=write)
-        expand_values(blas, o_latent, w_uv, spec, out)
+        attend_and_expand(blas, q_latent, q, cache, w_uv, spec, batch, out, None, num_sms, absorbed_kernel,
+                          latent_write=write)
         return out
     if plan is None and q_view_fits(q, spec):
         q_pe = write_latent_q_pe(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
         q_latent = absorb_queries(blas, q, w_uk, spec)
-        o_latent = absorbed_attention(q_latent, q_pe, cache, spec, batch, None, num_sms, absorbed_kernel, q_pe_only=True)
-        expand_values(blas, o_latent, w_uv, spec, out)
+        attend_and_expand(blas, q_latent, q_pe, cache, w_uv, spec, batch, out, None, num_sms, absorbed_kernel,
+                          q_pe_only=True)
         return out
     q = cupy.ascontiguousarray(q)  # its rope dims are rotated in place: callers pass a buffer they own
     write_latent(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
@@ -808,14 +818,60 @@ def expand_values(blas: Cublas, o_latent: cupy.ndarray, w_uv: cupy.ndarray, spec
                                 o_latent, heads * lora, lora, out, heads * v, v, heads)
 
 
+def combine_expand_columns(num_tokens: int, splits: int, spec: MLASpec) -> int:
+    """mla_combine_expand's columns per block for a step of ``num_tokens`` rows with ``splits`` context splits to
+    combine ($OPENINFER_MLA_COMBINE_EXPAND: 0, 16, 32 or 64; unset: DEFAULT_COMBINE_EXPAND; another value: a clear
+    error), or 0 where the combine and W_UV stay two launches: the switch off, no splits to combine, more than
+    COMBINE_EXPAND_MAX_TOKENS rows, v not whole blocks of that many columns, the latent not 4 x 16-dim mma steps, or
+    more than COMBINE_SHARED_MAX_SPLITS splits (their combine is the loop, other bits). Row and split counts only:
+    graph-safe."""
+    text = os.environ.get(COMBINE_EXPAND_ENV) or str(DEFAULT_COMBINE_EXPAND)
+    if text not in ("0", *map(str, COMBINE_EXPAND_CHOICES)):
+        raise ValueError(f"{COMBINE_EXPAND_ENV} is 0 (off) or the columns per block, "
+                         f"{', '.join(map(str, COMBINE_EXPAND_CHOICES))}; got {text!r}")
+    columns = int(text)
+    fits = (columns and 1 < splits <= COMBINE_SHARED_MAX_SPLITS and 0 < num_tokens <= COMBINE_EXPAND_MAX_TOKENS
+            and spec.v_head_dim % columns == 0 and spec.kv_lora_rank % 64 == 0)
+    return columns if fits else 0
+
+
+def combine_expand(partials: SplitPartials, o_latent: cupy.ndarray, w_uv: cupy.ndarray, spec: MLASpec,
+                   out: cupy.ndarray, columns: int) -> None:
+    """``mla_combine_expand``: ``out [T, H·v]`` from the splits' partials (and ``o_latent``'s rows written whole by
+    their one split) through W_UV, ``columns`` (``combine_expand_columns``) output columns per block."""
+    num_tokens, heads = int(partials.partial_ml.shape[0]), spec.num_heads
+    threads = EXPAND_SMALL_THREADS * columns // EXPAND_SMALL_COLUMNS  # 4 warps per 16 columns
+    kernel("mla.cu", "mla_combine_expand", **_defines(spec), COMBINE_EXPAND_COLUMNS=columns)(
+        (heads, spec.v_head_dim // columns), (threads,),
+        (partials.partial_o, partials.partial_ml, np.int32(partials.splits), o_latent, w_uv, np.int32(num_tokens),
+         np.int32(heads), out))
+
+
+def attend_and_expand(blas: Cublas, q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray,
+                      w_uv: cupy.ndarray, spec: MLASpec, batch, out: cupy.ndarray, token_rows: cupy.ndarray | None,
+                      num_sms: int, absorbed_kernel: str | None = None, q_pe_only: bool = False,
+                      latent_write: LatentWrite | None = None) -> None:
+    """The absorbed step after W_UK: attention (``attend_splits``, the same arguments as ``absorbed_attention``),
+    then the split combine and W_UV into ``out [T, H·v]``, as one launch where ``combine_expand_columns`` says, else
+    ``combine_splits`` and ``expand_values``."""
+    o_latent, partials = attend_splits(q_latent, q, cache, spec, batch, token_rows, num_sms, absorbed_kernel,
+                                       q_pe_only, latent_write)
+    columns = combine_expand_columns(int(o_latent.shape[0]), partials.splits if partials else 1, spec)
+    if columns:
+        combine_expand(partials, o_latent, w_uv, spec, out, columns)
+        return
+    if partials is not None:
+        combine_splits(partials, o_latent, spec)
+    expand_values(blas, o_latent, w_uv, spec, out)
+
+
 def _absorbed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray,
               spec: MLASpec, batch, out: cupy.ndarray, token_rows: cupy.ndarray | None, num_sms: int,
               absorbed_kernel: str | None = None) -> None:
     """Absorbed form for the rows of ``q`` (rope rotated), written to ``out``; ``token_rows``:
     each row's token in the step (None: row i is token i)."""
     q_latent = absorb_queries(blas, q, w_uk, spec)
-    o_latent = absorbed_attention(q_latent, q, cache, spec, batch, token_rows, num_sms, absorbed_kernel)
-    expand_values(blas, o_latent, w_uv, spec, out)
+    attend_and_expand(blas, q_latent, q, cache, w_uv, spec, batch, out, token_rows, num_sms, absorbed_kernel)
 
 
 def gather_context(cache: cupy.ndarray, spec: MLASpec, batch, plan: PrefillPlan) -> tuple[cupy.ndarray, cupy.ndarray]:

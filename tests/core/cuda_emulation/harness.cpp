@@ -1,6 +1,7 @@
 // Runs core's MoE (moe.cu, USE_MMA=0) or MLA (mla.cu) kernels on the CPU (tests/helpers/cuda_host)
 // on arrays read from a directory written by tests/core/test_kimi_kernels_emulated.py; writes the
-// outputs back there. Build with -DMOE, -DMLA or -DMLA_PREFILL (and the kernel's own defines).
+// outputs back there. Build with -DMOE, -DMLA, -DMLA_PREFILL or -DMLA_COMBINE_EXPAND (and the kernel's own
+// defines).
 #define MMA_HOST_STANDIN  // mma.cuh: no PTX; harness.h defines mma_bf16_16816
 #ifdef MOE
 #include "moe.cu"
@@ -10,6 +11,17 @@
 #include "moe_pipelined.cu"
 #endif
 #else
+// the vector types and intrinsics mla_combine_splits_flat and mla_combine_expand use that the stand-in lacks
+#include "common.cuh"
+struct float4 {
+    float x, y, z, w;
+};
+struct uint2 {
+    unsigned x, y;
+};
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline float __fmul_rn(float a, float b) { return a * b; }  // a product never fused into an add (fmaf is explicit)
 #include "mla.cu"
 #endif
 
@@ -233,6 +245,30 @@ int main(int argc, char** argv) {
     save(dir, "c_kv.bin", c_kv);
     save(dir, "k_pe.bin", k_pe);
     save(dir, "out.bin", out);
+#elif defined(MLA_COMBINE_EXPAND)
+    // params: T heads num_splits. The split combine then W_UV (mla_combine_splits_flat + mla_expand_small) and
+    // both in one launch (mla_combine_expand, built with COMBINE_EXPAND_COLUMNS) on the same partials; o_latent
+    // holds the rows written whole by their one split (split 0's max = +inf).
+    const int T = params[0], heads = params[1], splits = params[2];
+    auto partial_o = load<float>(dir, "partial_o.bin");
+    auto partial_ml = load<float>(dir, "partial_ml.bin");
+    auto o_latent = load<bf16>(dir, "o_latent.bin");
+    auto w_uv = load<bf16>(dir, "w_uv.bin");
+    std::vector<bf16> combined(o_latent), out(size_t(T) * heads * V_DIM), out_fused(size_t(T) * heads * V_DIM);
+    const unsigned rows = T * heads, flat_blocks = (rows * (KV_LORA / 4) + COMBINE_FLAT_THREADS - 1) / COMBINE_FLAT_THREADS;
+    launch(flat_blocks, 1, 1, COMBINE_FLAT_THREADS, [&] {
+        mla_combine_splits_flat(partial_o.data(), partial_ml.data(), splits, rows, combined.data());
+    });
+    launch(heads, V_DIM / EXPAND_COLUMNS, 1, 32 * EXPAND_WARPS, [&] {
+        mla_expand_small(combined.data(), w_uv.data(), T, heads, out.data());
+    });
+    launch(heads, V_DIM / COMBINE_EXPAND_COLUMNS, 1, COMBINE_EXPAND_THREADS, [&] {
+        mla_combine_expand(partial_o.data(), partial_ml.data(), splits, o_latent.data(), w_uv.data(), T, heads,
+                           out_fused.data());
+    });
+    save(dir, "combined.bin", combined);
+    save(dir, "out.bin", out);
+    save(dir, "out_fused.bin", out_fused);
 #else
     // params: T heads q_stride q_pe_offset num_seqs max_blocks block_size num_splits
     const int T = params[0], heads = params[1], q_stride = params[2], q_pe_offset = params[3], num_seqs = params[4];

@@ -1,0 +1,100 @@
+"""CPU CI for $OPENINFER_MLA_COMBINE_EXPAND (core/backend/cuda/mla.py imported against a stand-in CuPy): the
+switch's values and where it applies (``combine_expand_columns``), and ``attend_and_expand`` running the split
+combine and W_UV as one launch there and as ``combine_splits`` + ``expand_values`` elsewhere. The kernel's bits
+are checked by tests/core/test_kimi_kernels_emulated.py (g++) and tests/gpu/test_mla_kernels.py."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from importlib import resources
+
+import pytest
+
+from openinfer.mla import MLASpec
+
+KIMI = MLASpec(num_heads=64, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, kv_lora_rank=512, scale=0.1)
+MLA_MODULE = "openinfer.backend.cuda.mla"
+
+
+@pytest.fixture
+def cuda_mla(monkeypatch):
+    """mla.py imported against a stand-in CuPy; the backend modules it pulled in removed again afterwards."""
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        ndarray=object, cuda=types.SimpleNamespace(Device=lambda device=None: None)))
+    before = {name for name in sys.modules if name.startswith("openinfer.backend.cuda")}
+    try:
+        yield importlib.import_module(MLA_MODULE)
+    finally:
+        for name in [name for name in sys.modules if name.startswith("openinfer.backend.cuda")]:
+            if name not in before:
+                del sys.modules[name]
+
+
+def test_switch_off_by_default(cuda_mla, monkeypatch):
+    monkeypatch.delenv("OPENINFER_MLA_COMBINE_EXPAND", raising=False)
+    assert cuda_mla.combine_expand_columns(1, 33, KIMI) == 0
+    monkeypatch.setenv("OPENINFER_MLA_COMBINE_EXPAND", "0")
+    assert cuda_mla.combine_expand_columns(1, 33, KIMI) == 0
+
+
+@pytest.mark.parametrize("value", ["8", "128", "1", "yes", "on", " 16"])
+def test_switch_rejects_other_values(cuda_mla, monkeypatch, value):
+    monkeypatch.setenv("OPENINFER_MLA_COMBINE_EXPAND", value)
+    with pytest.raises(ValueError, match="OPENINFER_MLA_COMBINE_EXPAND is 0 .* 16, 32, 64"):
+        cuda_mla.combine_expand_columns(1, 33, KIMI)
+    with pytest.raises(ValueError, match="OPENINFER_MLA_COMBINE_EXPAND"):  # even in a step with nothing to combine
+        cuda_mla.combine_expand_columns(1, 1, KIMI)
+
+
+@pytest.mark.parametrize("columns", [16, 32, 64])
+def test_switch_applies_to_small_steps_with_splits(cuda_mla, monkeypatch, columns):
+    monkeypatch.setenv("OPENINFER_MLA_COMBINE_EXPAND", str(columns))
+    fits = cuda_mla.combine_expand_columns
+    assert fits(1, 33, KIMI) == columns
+    assert fits(16, 2, KIMI) == columns  # the row cap, the fewest splits
+    assert fits(4, 64, KIMI) == columns  # COMBINE_SHARED_MAX_SPLITS
+    assert fits(1, 1, KIMI) == 0  # no splits: nothing to combine
+    assert fits(17, 8, KIMI) == 0  # past one mma tile of rows
+    assert fits(0, 8, KIMI) == 0
+    assert fits(1, 65, KIMI) == 0  # more splits than the shared combine takes (the loop: other bits)
+    narrow_v = MLASpec(num_heads=16, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=48, kv_lora_rank=512, scale=0.1)
+    assert fits(1, 8, narrow_v) == (columns if 48 % columns == 0 else 0)
+    odd_latent = MLASpec(num_heads=16, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, kv_lora_rank=96, scale=0.1)
+    assert fits(1, 8, odd_latent) == 0  # the latent not in 4 warps x 16-dim mma steps
+
+
+def test_switch_reads_the_row_cap_from_the_kernel(cuda_mla):
+    """COMBINE_EXPAND_MAX_TOKENS and the column choices are mla.cu's."""
+    source = (resources.files("openinfer.kernels") / "mla.cu").read_text()
+    assert f"#define COMBINE_EXPAND_MAX_TOKENS {cuda_mla.COMBINE_EXPAND_MAX_TOKENS} " in source
+    assert "COMBINE_EXPAND_COLUMNS != 16 && COMBINE_EXPAND_COLUMNS != 32 && COMBINE_EXPAND_COLUMNS != 64" in source
+    assert cuda_mla.COMBINE_EXPAND_CHOICES == (16, 32, 64)
+
+
+@pytest.mark.parametrize(("switch", "splits", "expected"), [
+    ("32", 33, ["attend", "combine_expand 32"]),
+    ("0", 33, ["attend", "combine_splits", "expand_values"]),
+    ("32", 1, ["attend", "expand_values"]),  # the kernel wrote o_latent: W_UV alone
+    ("16", 80, ["attend", "combine_splits", "expand_values"]),
+])
+def test_attend_and_expand_dispatch(cuda_mla, monkeypatch, switch, splits, expected):
+    monkeypatch.setenv("OPENINFER_MLA_COMBINE_EXPAND", switch)
+    calls = []
+    o_latent = types.SimpleNamespace(shape=(1, KIMI.num_heads, KIMI.kv_lora_rank))
+    partials = cuda_mla.SplitPartials(object(), object(), splits) if splits > 1 else None
+
+    def attend_splits(q_latent, q, cache, spec, batch, token_rows, num_sms, absorbed_kernel, q_pe_only,
+                      latent_write):
+        calls.append("attend")
+        assert (token_rows, num_sms, absorbed_kernel, q_pe_only, latent_write) == ("rows", 132, "tma", True, None)
+        return o_latent, partials
+
+    monkeypatch.setattr(cuda_mla, "attend_splits", attend_splits)
+    monkeypatch.setattr(cuda_mla, "combine_expand",
+                        lambda p, o, w_uv, spec, out, columns: calls.append(f"combine_expand {columns}"))
+    monkeypatch.setattr(cuda_mla, "combine_splits", lambda p, o, spec: calls.append("combine_splits"))
+    monkeypatch.setattr(cuda_mla, "expand_values", lambda blas, o, w_uv, spec, out: calls.append("expand_values"))
+    cuda_mla.attend_and_expand(None, None, None, None, None, KIMI, None, None, "rows", 132, "tma", q_pe_only=True)
+    assert calls == expected
