@@ -1172,10 +1172,6 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "no_shared_after_route": "the shared expert forked before the routing ($OPENINFER_MOE_SHARED_AFTER_ROUTE=0)",
     "shared_down_late": "the shared expert's down projection beside the routed one instead of their gate_up "
                         "($OPENINFER_MOE_SHARED_DOWN_LATE=1)",
-    "gemv_ksplit": "gemv_m1 with each column's K split over warps where a one-column grid is under a wave "
-                   "($OPENINFER_GEMV_M1_KSPLIT=auto)",
-    "gemv_ksplit2": "$OPENINFER_GEMV_M1_KSPLIT=2 (every one-row GEMV)",
-    "gemv_ksplit4": "$OPENINFER_GEMV_M1_KSPLIT=4 (every one-row GEMV)",
     "layer_ticket": "moe_route_decode's counter kept with the layer, no zeroing node per call "
                     "($OPENINFER_MOE_ROUTE_TICKET=layer; the default since s16 D3)",
     "call_ticket": "moe_route_decode's counter zeroed per call by a one-thread kernel node "
@@ -1309,9 +1305,6 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "no_route_decode": ("OPENINFER_MOE_ROUTE_DECODE", "0"),
                 "shared_down_late": (cuda_moe.SHARED_DOWN_LATE_ENV, "1"),
                 "layer_ticket": (cuda_moe.ROUTE_TICKET_ENV, "layer"),
-                "gemv_ksplit": (cuda_linear.GEMV_M1_KSPLIT_ENV, "auto"),
-                "gemv_ksplit2": (cuda_linear.GEMV_M1_KSPLIT_ENV, "2"),
-                "gemv_ksplit4": (cuda_linear.GEMV_M1_KSPLIT_ENV, "4"),
                 "call_ticket": (cuda_moe.ROUTE_TICKET_ENV, "call"),
                 "mla_cluster4": (mla_decode_sm90.TMA_CLUSTER_ENV, "4"),
                 "mla_cluster8": (mla_decode_sm90.TMA_CLUSTER_ENV, "8"),

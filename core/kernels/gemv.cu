@@ -76,12 +76,22 @@ __device__ __forceinline__ void gemv_raw_pass(const bf16* __restrict__ x, const 
     gemv_raw_consume<ROWS, COLS, UNROLL>(x, raw, acc, M, K, k);
 }
 
-// A lane's sums over one weight row per column (``wrow``, K long from their start; x rows K apart): passes of UNROLL
-// 16-byte steps, every load of a pass in flight before its FMAs, then the last partial pass; each lane sums its k in
-// increasing order.
+// Tile `tile` of the output: columns [tile * WARPS_PER_BLOCK * COLS, +WARPS_PER_BLOCK * COLS).
 template <int ROWS, int COLS, int UNROLL>
-__device__ __forceinline__ void gemv_sum(const bf16* __restrict__ x, const bf16* const (&wrow)[COLS],
-                                         float (&acc)[ROWS][COLS], int M, int K, int lane) {
+__device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                          const bf16* __restrict__ bias, bf16* __restrict__ y, int M,
+                                          int N, int K, int tile) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n0 = (tile * WARPS_PER_BLOCK + warp) * COLS;
+    if (n0 >= N) return;
+    const bf16* wrow[COLS];
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) wrow[c] = w + (size_t)min(n0 + c, N - 1) * K;
+    float acc[ROWS][COLS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) acc[r][c] = 0.f;
     constexpr int STEP = 32 * 8;
     int k = lane * 8;
     for (; k + (UNROLL - 1) * STEP < K; k += UNROLL * STEP) {
@@ -128,25 +138,6 @@ __device__ __forceinline__ void gemv_sum(const bf16* __restrict__ x, const bf16*
         }
     }
 #endif
-}
-
-// Tile `tile` of the output: columns [tile * WARPS_PER_BLOCK * COLS, +WARPS_PER_BLOCK * COLS).
-template <int ROWS, int COLS, int UNROLL>
-__device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                          const bf16* __restrict__ bias, bf16* __restrict__ y, int M,
-                                          int N, int K, int tile) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n0 = (tile * WARPS_PER_BLOCK + warp) * COLS;
-    if (n0 >= N) return;
-    const bf16* wrow[COLS];
-#pragma unroll
-    for (int c = 0; c < COLS; ++c) wrow[c] = w + (size_t)min(n0 + c, N - 1) * K;
-    float acc[ROWS][COLS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) acc[r][c] = 0.f;
-    gemv_sum<ROWS, COLS, UNROLL>(x, wrow, acc, M, K, lane);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
@@ -181,60 +172,8 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
 #ifndef GEMV_M1_COLS
 #define GEMV_M1_COLS 1
 #endif
-// GEMV_M1_KSPLIT (core's $OPENINFER_GEMV_M1_KSPLIT; 1 unless set): the warps of a block that share each column of
-// gemv_m1, each summing one contiguous run of K (whole 256-element steps); the first adds their sums in split order
-// (through shared memory) and stores. A grid that many times wider: a one-row GEMV with few columns (Kimi-K2's qkv_a,
-// 2,112 of them: 264 blocks where an H200 holds 660) keeps that many times more warps, each with the same loads in
-// flight. Not the 1-split bits (each split's lanes sum apart, then the splits add): within fp32 rounding.
-#ifndef GEMV_M1_KSPLIT
-#define GEMV_M1_KSPLIT 1
-#endif
-template <int SPLIT, int COLS, int UNROLL>
-__device__ __forceinline__ void gemv_m1_split_k(const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                                const bf16* __restrict__ bias, bf16* __restrict__ y, int N, int K) {
-    static_assert(WARPS_PER_BLOCK % SPLIT == 0, "a block's warps split evenly over its columns");
-    __shared__ float partial[WARPS_PER_BLOCK][COLS];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int group = warp / SPLIT, part = warp % SPLIT;
-    const int n0 = (blockIdx.x * (WARPS_PER_BLOCK / SPLIT) + group) * COLS;
-    constexpr int STEP = 32 * 8;
-    const int run = (K + STEP * SPLIT - 1) / (STEP * SPLIT) * STEP;  // each split's elements, whole steps
-    const int k0 = min(K, part * run), k1 = min(K, k0 + run);
-    float acc[1][COLS];
-#pragma unroll
-    for (int c = 0; c < COLS; ++c) acc[0][c] = 0.f;
-    if (n0 < N && k0 < k1) {  // warp-uniform
-        const bf16* wrow[COLS];
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) wrow[c] = w + (size_t)min(n0 + c, N - 1) * K + k0;
-        gemv_sum<1, COLS, UNROLL>(x + k0, wrow, acc, 1, k1 - k0, lane);
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) acc[0][c] = warp_sum(acc[0][c]);
-    }
-    if (lane == 0)
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) partial[warp][c] = acc[0][c];
-    __syncthreads();
-    if (part == 0 && lane == 0) {
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) {
-            const int n = n0 + c;
-            if (n >= N) break;
-            float sum = 0.f;
-#pragma unroll
-            for (int p = 0; p < SPLIT; ++p) sum += partial[warp + p][c];
-            const float b = bias != nullptr ? __bfloat162float(bias[n]) : 0.f;
-            y[n] = __float2bfloat16_rn(sum + b);
-        }
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m1(GEMV_ARGS) {
-#if GEMV_M1_KSPLIT > 1
-    gemv_m1_split_k<GEMV_M1_KSPLIT, GEMV_M1_COLS, GEMV_M1_UNROLL / GEMV_M1_COLS>(x, w, bias, y, N, K);
-#else
     gemv_tile<1, GEMV_M1_COLS, GEMV_M1_UNROLL / GEMV_M1_COLS>(x, w, bias, y, M, N, K, blockIdx.x);
-#endif
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m2(GEMV_ARGS) {

@@ -110,37 +110,3 @@ def test_gemv_m1_columns_a_warp_give_the_same_bits(harness_by_columns, tmp_path,
     ref = NumpyBackend()
     got = read_array(tmp_path / "cols2", "gemv_m1", np.uint16, (n,))
     assert np.allclose(got, ref.linear(x[None], ref.linear_weight(w, None))[0], rtol=2e-2, atol=2e-2)
-
-
-@pytest.fixture(scope="module")
-def harness_by_split(tmp_path_factory) -> dict[tuple[int, int], Path]:
-    """The harness with gemv_m1's columns shared by 1, 2 or 4 warps (core's $OPENINFER_GEMV_M1_KSPLIT), at 1 and 2
-    columns a warp."""
-    return {(split, cols): compile_harness(
-        HARNESS, REPO / "core" / "kernels", tmp_path_factory.mktemp(f"gemv_split{split}_cols{cols}") / "harness",
-        {"GEMV_M1_KSPLIT": split, "GEMV_M1_COLS": cols}) for split in (1, 2, 4) for cols in (1, 2)}
-
-
-# 128: fewer steps than splits (empty splits); 1000: a partial last step; 61: a last block with columns past N;
-# 7168 x 48: Kimi-K2's qkv_a row (2 x 14 steps, 4 x 7)
-@pytest.mark.parametrize("k,n", [(128, 40), (1000, 61), (2048, 24), (7168, 48)])
-def test_gemv_m1_split_k_matches_one_split(harness_by_split, tmp_path, k, n):
-    """gemv_m1 with each column's K split over 2 or 4 warps (summed in split order through shared memory): within
-    fp32 rounding of the 1-split build (at most one bf16 step apart) and within bf16 rounding of NumPy."""
-    rng = np.random.default_rng(k + 7 * n)
-    x = bf16(rng.standard_normal(k))
-    w = bf16(0.05 * rng.standard_normal((n, k)))
-    outputs = {}
-    for (split, cols), binary in harness_by_split.items():
-        folder = tmp_path / f"split{split}_cols{cols}"
-        folder.mkdir()
-        run_harness(binary, folder, params=np.array([k, n, norm_threads(k), 0, 1, 1, 1], np.int32),
-                    x=float32_to_bf16(x), residual=float32_to_bf16(x), norm=float32_to_bf16(np.ones(k, np.float32)),
-                    gate_up=float32_to_bf16(np.concatenate([x, x])), w=float32_to_bf16(w))
-        outputs[split, cols] = read_array(folder, "gemv_m1", np.uint16, (n,))
-    exact = (x.astype(np.float64) @ w.astype(np.float64).T)
-    for (split, cols), got in outputs.items():
-        assert np.allclose(got, exact, rtol=1e-2, atol=1e-2), (split, cols)
-        one = outputs[1, cols]
-        assert np.all(np.abs(got - one) <= np.abs(one) * 2 ** -7 + 1e-6), (split, cols)  # one bf16 step at most
-    assert np.array_equal(outputs[1, 2], outputs[1, 1])

@@ -77,37 +77,3 @@ def test_gemv_beside_other_work_takes_at_least_the_beside_columns(cuda_backend, 
     monkeypatch.setenv(linear.GEMV_M1_COLS_BESIDE_ENV, "3")
     with linear.gemv_beside_other_work(), pytest.raises(ValueError, match="OPENINFER_GEMV_M1_COLS_BESIDE"):
         linear.gemv_m1_columns(64)
-
-
-# Kimi-K2 qkv_a (7168 -> 2112) and q_b (1536 -> 12288); Moonlight's kv_a (2048 -> 576); odd widths and short rows
-@pytest.mark.parametrize("k,n", [(7168, 2112), (1536, 12288), (2048, 576), (1000, 61), (128, 40)])
-@pytest.mark.parametrize("cols", ["1", "2"])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_gemv_m1_split_k_matches_one_split(cuda_backend, rng, monkeypatch, k, n, cols, with_bias):
-    """gemv_m1 with each column's K split over 2 or 4 warps ($OPENINFER_GEMV_M1_KSPLIT): at most one bf16 step from
-    the 1-split bits, within bf16 rounding of NumPy; "auto" splits only a one-column grid under a wave, never beside
-    other work; another value is a clear error."""
-    from openinfer.backend.cuda import linear
-
-    x = bf16_random(rng, 1, k)
-    w = bf16_random(rng, n, k, scale=0.05)
-    bias = bf16_random(rng, n) if with_bias else None
-    layer, dx = cuda_backend.linear_weight(w, bias), cuda_backend.upload(x)
-    monkeypatch.setenv(linear.GEMV_M1_COLS_ENV, cols)
-    outputs = {}
-    for split in ("1", "2", "4", "auto"):
-        monkeypatch.setenv(linear.GEMV_M1_KSPLIT_ENV, split)
-        outputs[split] = cuda_backend.to_host(cuda_backend.linear(dx, layer))
-    want = REF.linear(x, REF.linear_weight(w, bias))
-    for split, got in outputs.items():
-        assert relative_error(got, want) < 1e-2, split
-        assert np.all(np.abs(got - outputs["1"]) <= np.abs(outputs["1"]) * 2 ** -7 + 1e-6), split
-    wave = linear.GEMV_M1_BLOCKS_PER_SM * cuda_backend.num_sms
-    auto = linear.gemv_m1_split(n, k, int(cols))
-    assert auto == next((s for s in (4, 2) if cols == "1" and -(-n * s // 8) <= wave
-                         and -(-k // 256) >= s * linear.GEMV_M1_KSPLIT_MIN_STEPS), 1)
-    with linear.gemv_beside_other_work():
-        assert linear.gemv_m1_split(n, k, 1) == 1
-    monkeypatch.setenv(linear.GEMV_M1_KSPLIT_ENV, "3")
-    with pytest.raises(ValueError, match="OPENINFER_GEMV_M1_KSPLIT"):
-        cuda_backend.linear(dx, layer)

@@ -50,16 +50,6 @@ GEMV_M1_BLOCKS_PER_SM = 5  # gemv_m1 at 48 registers x 256 threads (sm_90a ptxas
 # 2 columns everywhere 170.8 / 170.4 / 172.0, 1 everywhere 174.7 / 173.5 / 173.1.
 GEMV_M1_COLS_BESIDE_ENV = "OPENINFER_GEMV_M1_COLS_BESIDE"
 DEFAULT_GEMV_M1_COLS_BESIDE = 2
-# $OPENINFER_GEMV_M1_KSPLIT (auto, 1, 2 or 4; unset: DEFAULT_GEMV_M1_KSPLIT; another value: a clear error): the warps
-# that share each column of gemv_m1, each summing a contiguous run of K (gemv.cu GEMV_M1_KSPLIT: a grid that many times
-# wider). "auto": where a one-column grid is under a wave of resident blocks, the largest split of 4 or 2 whose grid
-# still fits a wave and leaves each split at least GEMV_M1_KSPLIT_MIN_STEPS 256-element steps; never beside other work
-# (``gemv_beside_other_work``: a side branch leaves SMs to the critical path). Why: s15's timeline has Kimi-K2's qkv_a
-# (2,112 columns, K = 7168: 264 blocks where an H200 holds 660) at 9.3 us for 30 MB, 3.2 TB/s; with two columns a warp
-# (132 blocks) 12.7. Not the 1-split bits: within fp32 rounding. Opt-in until measured on the device.
-GEMV_M1_KSPLIT_ENV = "OPENINFER_GEMV_M1_KSPLIT"
-DEFAULT_GEMV_M1_KSPLIT = "1"
-GEMV_M1_KSPLIT_MIN_STEPS = 4
 _beside_other_work = threading.local()
 NULL = np.uint64(0)
 # "1": the o_proj and down GEMMs add their product into the residual stream in place (cuBLAS
@@ -122,11 +112,11 @@ def gemv_beside_other_work() -> Iterator[None]:
         _beside_other_work.depth = depth
 
 
-def _columns_switch(env: str, default: str, allowed: tuple[str, ...],
-                    meaning: str = "the columns a warp of gemv_m1 owns") -> str:
+def _columns_switch(env: str, default: str, allowed: tuple[str, ...]) -> str:
     text = os.environ.get(env, "").strip().lower() or default
     if text not in allowed:
-        raise ValueError(f"{env} must be {', '.join(allowed[:-1])} or {allowed[-1]} ({meaning}), got {text!r}")
+        raise ValueError(f"{env} must be {', '.join(allowed[:-1])} or {allowed[-1]} (the columns a warp of gemv_m1 "
+                         f"owns), got {text!r}")
     return text
 
 
@@ -146,34 +136,17 @@ def gemv_m1_columns(out_features: int) -> int:
     return cols
 
 
-def gemv_m1_split(out_features: int, in_features: int, columns: int) -> int:
-    """The warps that share each column of gemv_m1 (see GEMV_M1_KSPLIT_ENV) for a weight of ``out_features`` x
-    ``in_features`` at ``columns`` columns a warp."""
-    text = _columns_switch(GEMV_M1_KSPLIT_ENV, DEFAULT_GEMV_M1_KSPLIT, ("auto", "1", "2", "4"),
-                           "the warps of gemv_m1 that share each column")
-    if text != "auto":
-        return int(text)
-    if getattr(_beside_other_work, "depth", 0) or columns != 1:
-        return 1
-    wave = GEMV_M1_BLOCKS_PER_SM * sm_count(cupy.cuda.Device().id)
-    steps = -(-in_features // 256)
-    return next((split for split in (4, 2) if -(-out_features * split // GEMV_WARPS_PER_BLOCK) <= wave
-                 and steps >= split * GEMV_M1_KSPLIT_MIN_STEPS), 1)
-
-
 def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
     """``out = x @ W^T (+ bias)`` through gemv.cu, for at most 8 rows and in_features % 8 == 0."""
     m, k = x.shape
     n = layer.out_features
     rows = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
     cols = gemv_m1_columns(n) if rows == 1 else GEMV_COLUMNS_PER_WARP[rows]
-    split = gemv_m1_split(n, k, cols) if rows == 1 else 1
-    # a 1-column, 1-split gemv_m1 defines nothing more: its kernel and cache entry as before GEMV_M1_COLS
-    defines = ({"GEMV_M1_COLS": cols} if rows == 1 and cols != 1 else {}) | (
-        {"GEMV_M1_KSPLIT": split} if split != 1 else {})
+    # a 1-column gemv_m1 defines nothing more: its kernel and cache entry as before GEMV_M1_COLS
+    defines = {"GEMV_M1_COLS": cols} if rows == 1 and cols != 1 else {}
     bias = layer.bias if layer.bias is not None else NULL
     args = (x, layer.weight, bias, out, np.int32(m), np.int32(n), np.int32(k))
-    kernel("gemv.cu", f"gemv_m{rows}", **defines)((-(-n * split // (GEMV_WARPS_PER_BLOCK * cols)),),
+    kernel("gemv.cu", f"gemv_m{rows}", **defines)((-(-n // (GEMV_WARPS_PER_BLOCK * cols)),),
                                                  (GEMV_WARPS_PER_BLOCK * 32,), args)
 
 

@@ -20,8 +20,7 @@ int main(int argc, char** argv) {
     auto gate_up = load<bf16>(dir, "gate_up.bin");      // [2K]
     auto w = load<bf16>(dir, "w.bin");                  // [N, K]
     const int tiles = (N + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
-    // gemv_m1's grid (GEMV_M1_KSPLIT warps share each column)
-    const int m1_tiles = (N * GEMV_M1_KSPLIT + WARPS_PER_BLOCK * GEMV_M1_COLS - 1) / (WARPS_PER_BLOCK * GEMV_M1_COLS);
+    const int m1_tiles = (N + WARPS_PER_BLOCK * GEMV_M1_COLS - 1) / (WARPS_PER_BLOCK * GEMV_M1_COLS);  // gemv_m1's grid
     const unsigned threads = WARPS_PER_BLOCK * 32;
     const bf16* res = with_residual ? residual.data() : nullptr;
 
