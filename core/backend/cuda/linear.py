@@ -39,6 +39,10 @@ GEMV_COLUMNS_PER_WARP = {1: 1, 2: 2, 4: 4, 8: 4}  # per kernel gemv_m{rows}, as 
 # 11.2, o_proj 29.2 -> 28.7, qkv_a 9.5 -> 11.4, shared gate_up 15.5 -> 16.3; Moonlight q+kv_a 5.6 -> 6.0, o_proj 4.1 ->
 # 4.9, shared gate_up 7.9 -> 7.6, lm_head 146.1 -> 146.9; Qwen3-4B o_proj 7.2 -> 8.4, lm_head 170.0 -> 169.4 us: where
 # "auto" picks 2 (more than a wave of blocks: q_b, o_proj, Moonlight's shared gate_up, the lm_heads) 2 wins or ties.
+# (Each column's K split over 2 or 4 warps of a block, summed in split order through shared memory, GEMV_M1_KSPLIT, for
+# one-row GEMVs whose one-column grid is under a wave: s16 D4, H200, Kimi-K2 layer b1 graph, alternated,
+# results/kimi_layer_b1_s16d4_h200.json: "auto" (qkv_a split in 2) 168.7 / 168.5 / 167.3 / 167.8 us vs 168.8 / 168.2 /
+# 167.4 / 169.6 without, qkv_a itself 9.4 -> 9.8 in the timeline; 4 everywhere 175.4-176.7. Deleted.)
 GEMV_M1_COLS_ENV = "OPENINFER_GEMV_M1_COLS"
 DEFAULT_GEMV_M1_COLS = "auto"
 GEMV_M1_BLOCKS_PER_SM = 5  # gemv_m1 at 48 registers x 256 threads (sm_90a ptxas)
