@@ -1131,6 +1131,8 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "no_spread_rope": "mla_write_latent's q_pe rotation by one block per token ($OPENINFER_MLA_SPREAD_ROPE=0; "
                       "spread over blocks is the default since D3)",
     "mla_splits16": "at most 16 context splits in the absorbed MLA decode ($OPENINFER_MLA_MAX_SPLITS=16; before D3)",
+    "mla_splits8": "at most 8 context splits in the absorbed MLA decode ($OPENINFER_MLA_MAX_SPLITS=8)",
+    "mla_splits32": "at most 32 context splits in the absorbed MLA decode ($OPENINFER_MLA_MAX_SPLITS=32)",
     "no_mla_async": "mla_attention_mma's plain tile loads ($OPENINFER_MLA_ASYNC_TILES=0; cp.async tiles are the "
                     "default since E3, 2026-11-24)",
     "mla_combine_loop": "mla_combine_splits ($OPENINFER_MLA_COMBINE=loop; the shared-memory combine is the default "
@@ -1280,7 +1282,8 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
 
     os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel
     switches = {"no_fast_routing": (moe_routing.FAST_ROUTING_ENV, "0"), "no_spread_rope": (cuda_mla.SPREAD_ROPE_ENV, "0"),
-                "mla_splits16": (cuda_mla.MAX_SPLITS_ENV, "16"), "no_mla_async": (cuda_mla.ASYNC_TILES_ENV, "0"),
+                "mla_splits16": (cuda_mla.MAX_SPLITS_ENV, "16"), "mla_splits8": (cuda_mla.MAX_SPLITS_ENV, "8"),
+                "mla_splits32": (cuda_mla.MAX_SPLITS_ENV, "32"), "no_mla_async": (cuda_mla.ASYNC_TILES_ENV, "0"),
                 "mla_combine_loop": (cuda_mla.COMBINE_ENV, "loop"), "mla_heads16": (cuda_mla.HEADS16_ENV, "1"),
                 "shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "1"),
                 "no_shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "0"),
