@@ -149,11 +149,22 @@ EXPAND_SMALL_MAX_TOKENS, EXPAND_SMALL_COLUMNS, EXPAND_SMALL_THREADS = 64, 16, 12
 # CUPTI timeline of a Kimi-K2 layer at batch 1 (H200, 64 heads, 1k context, 33+ splits) had the combine at 4.8 us,
 # W_UV 4.5 us and ~0.5 us between them. Bit-equal to the combine (flat or wide) then mla_expand_small
 # ($OPENINFER_MLA_EXPAND_SMALL=1). Each column block merges its head's partials again (more L2 reads with fewer
-# columns, more blocks in parallel): the three column counts are for the device A/B. 0 (default): two launches.
+# columns, more blocks in parallel). 0: two launches. Where it runs, a token's context splits are capped so that
+# heads x splits stay within $OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS (default COMBINE_EXPAND_HEAD_SPLITS; at least
+# 2 splits): every block merges its head's splits, so their count is its work, and fewer partial rows are written
+# and read (Kimi-K2's 64 heads at one token: 16 splits instead of 64; Moonlight's 16 heads keep 64).
+# 64 columns and 1,024 head-splits by default since s16 (H200, Kimi-K2 layer b1 graph, alternated A B ... B A):
+# D5 (results/kimi_layer_b1_s16d5_h200.json) off 167.4 / 168.9 us, 16 columns 169.9 / 170.6, 32 167.7 / 168.0, 64
+# 167.9 / 167.4 (64 splits), 32 with 16 splits 165.4 / 165.6; D6 (kimi_layer_b1_s16d6_h200.json) off 167.3 / 168.0,
+# 16 splits alone 166.4 / 166.2, 64 columns + 16 splits 164.9 / 165.7, 32 + 16 165.4 / 166.1, 32 + 8 169.8 / 168.8,
+# 32 + 32 166.3 / 166.5. D5's timeline (_timeline_): attention 10.0 -> 11.7 us at 16 splits, then 6.8 for
+# mla_combine_expand where the combine + W_UV took 4.8 + 4.5 + a 0.5 gap.
 COMBINE_EXPAND_ENV = "OPENINFER_MLA_COMBINE_EXPAND"
 COMBINE_EXPAND_CHOICES = (16, 32, 64)  # mla.cu COMBINE_EXPAND_COLUMNS builds
-DEFAULT_COMBINE_EXPAND = 0
+DEFAULT_COMBINE_EXPAND = 64
 COMBINE_EXPAND_MAX_TOKENS = 16  # mla.cu: the rows of one mma tile
+COMBINE_EXPAND_HEAD_SPLITS_ENV = "OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS"
+COMBINE_EXPAND_HEAD_SPLITS = 1024
 # Deleted in s15: $OPENINFER_MLA_PDL (opt-in PDL of the decode kernels), within noise and racy. s15 D2 (H200,
 # Kimi-K2 layer b1 graph, results/kimi_layer_b1_s15d2_h200.json) 173.5 / 174.1 us vs 173.6 / 173.7 without;
 # s12 D1 Moonlight b1 / b16 / b64 0.990 / 1.000 / 1.006x. s15 D6a (H200): test_pdl_decode_bit_equal_to_plain_
@@ -722,10 +733,11 @@ def combine_splits(partials: SplitPartials, o_latent: cupy.ndarray, spec: MLASpe
 
 def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, spec: MLASpec, batch,
                   token_rows: cupy.ndarray | None, num_sms: int, absorbed_kernel: str | None = None,
-                  q_pe_only: bool = False, latent_write: LatentWrite | None = None
+                  q_pe_only: bool = False, latent_write: LatentWrite | None = None, most_splits: int | None = None
                   ) -> tuple[cupy.ndarray, SplitPartials | None]:
     """``absorbed_attention``'s attention kernel alone: ``o_latent`` (written only without splits, or combined in
-    a cluster) and the splits' partials to combine (None: none left to combine)."""
+    a cluster) and the splits' partials to combine (None: none left to combine); ``most_splits``: a cap on the
+    context splits per token (None: the kernel's own count)."""
     num_tokens = int(q.shape[0])
     name = choose_absorbed_kernel(spec.num_heads, num_tokens, absorbed_kernel)
     if name == "tma" and not mla_decode_sm90.tma_decode_fits(spec, cache):
@@ -749,12 +761,14 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         head_chunks = mma_decode_head_chunks(heads, blocks_of_16)
     else:
         head_chunks = -(-heads // HEADS_PER_BLOCK)
+    splits_cap_none = 1 << 30  # no cap (most_splits None)
     if name == "mma_shared":  # 93 KB of shared memory per block of 32 keys: 2 per SM; 168 KB of 64: 1
         keys = shared_keys(num_tokens)
-        splits = resident_splits(num_tokens, head_chunks, num_sms, 2 if keys == 32 else 1)
+        splits = min(resident_splits(num_tokens, head_chunks, num_sms, 2 if keys == 32 else 1),
+                     most_splits or splits_cap_none)
     elif name == "tma":
         blocks_per_sm = mla_decode_sm90.tma_blocks_per_sm_of(spec, latent_write is not None)
-        splits = resident_splits(num_tokens, head_chunks, num_sms, blocks_per_sm)
+        splits = min(resident_splits(num_tokens, head_chunks, num_sms, blocks_per_sm), most_splits or splits_cap_none)
         cluster = mla_decode_sm90.tma_cluster(spec, splits, num_tokens)
         balance_slots = 0
         if cluster > 1:
@@ -766,7 +780,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, latent_write is not None,
                                                                     staged_q)
     else:
-        splits = num_splits(num_tokens, head_chunks, num_sms)
+        splits = min(num_splits(num_tokens, head_chunks, num_sms), most_splits or splits_cap_none)
     combined_on_chip = cluster > 1
     partial_o = partial_ml = NULL
     if splits > 1 and not combined_on_chip:
@@ -847,15 +861,29 @@ def combine_expand(partials: SplitPartials, o_latent: cupy.ndarray, w_uv: cupy.n
          np.int32(heads), out))
 
 
+def combine_expand_most_splits(num_tokens: int, spec: MLASpec) -> int | None:
+    """The most context splits a token takes where mla_combine_expand would combine them (see COMBINE_EXPAND_ENV:
+    heads x splits within $OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS, a positive integer; at least 2), or None where
+    it would not run at all. Row count only: graph-safe."""
+    if not combine_expand_columns(num_tokens, 2, spec):
+        return None
+    text = os.environ.get(COMBINE_EXPAND_HEAD_SPLITS_ENV) or str(COMBINE_EXPAND_HEAD_SPLITS)
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{COMBINE_EXPAND_HEAD_SPLITS_ENV} is a positive integer (heads x context splits); "
+                         f"got {text!r}")
+    return max(2, int(text) // spec.num_heads)
+
+
 def attend_and_expand(blas: Cublas, q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray,
                       w_uv: cupy.ndarray, spec: MLASpec, batch, out: cupy.ndarray, token_rows: cupy.ndarray | None,
                       num_sms: int, absorbed_kernel: str | None = None, q_pe_only: bool = False,
                       latent_write: LatentWrite | None = None) -> None:
-    """The absorbed step after W_UK: attention (``attend_splits``, the same arguments as ``absorbed_attention``),
-    then the split combine and W_UV into ``out [T, H·v]``, as one launch where ``combine_expand_columns`` says, else
-    ``combine_splits`` and ``expand_values``."""
+    """The absorbed step after W_UK: attention (``attend_splits``, the same arguments as ``absorbed_attention``;
+    splits capped by ``combine_expand_most_splits``), then the split combine and W_UV into ``out [T, H·v]``, as one
+    launch where ``combine_expand_columns`` says, else ``combine_splits`` and ``expand_values``."""
     o_latent, partials = attend_splits(q_latent, q, cache, spec, batch, token_rows, num_sms, absorbed_kernel,
-                                       q_pe_only, latent_write)
+                                       q_pe_only, latent_write,
+                                       most_splits=combine_expand_most_splits(int(q.shape[0]), spec))
     columns = combine_expand_columns(int(o_latent.shape[0]), partials.splits if partials else 1, spec)
     if columns:
         combine_expand(partials, o_latent, w_uv, spec, out, columns)
