@@ -52,9 +52,6 @@
 #ifndef TMA_KEYS
 #define TMA_KEYS 32  // keys per tile: 16, 32 or 64
 #endif
-#ifndef TMA_SPLIT_KEYS
-#define TMA_SPLIT_KEYS TMA_KEYS  // balanced splits: the fewest keys a split takes (core's $OPENINFER_MLA_TMA_SPLIT_KEYS)
-#endif
 #ifndef TMA_STAGES
 #define TMA_STAGES 2  // tiles in the ring
 #endif
@@ -250,7 +247,7 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         total = 0;
 #pragma unroll
         for (int w = 0; w < TMA_WARPS; ++w) total += warp_totals[w];
-        const int length = max(TMA_SPLIT_KEYS, (total + balance_slots - 1) / balance_slots);
+        const int length = max(TMA_KEYS, (total + balance_slots - 1) / balance_slots);
         const int n = min(num_splits, max(1, (split_context + length / 2) / length));
         const int per_split = ((split_context + n - 1) / n + TMA_KEYS - 1) / TMA_KEYS * TMA_KEYS;
         begin = split * per_split;

@@ -55,22 +55,6 @@ _non_portable_allowed: set[int] = set()
 # rows the split count is the resident one either way; =0: each context split evenly.
 TMA_BALANCE_ENV = "OPENINFER_MLA_TMA_BALANCE"
 BALANCE_MIN_SPLITS = 4
-# $OPENINFER_MLA_TMA_SPLIT_KEYS (a multiple of 16, at most 1024; unset: the key tile's, as before): with balanced
-# splits, the fewest keys a split takes (mla_decode_sm90.cu TMA_SPLIT_KEYS), so a short context runs fewer, longer
-# splits (the rest exit empty: less partial output to write and combine) while a long one still spreads over every
-# split. Context-driven on the device: graph-safe. Why: s16 D6 (H200, Kimi-K2 layer b1 graph at 1k context) 16 splits
-# (64 keys each) 166.4 / 166.2 us vs 167.3 / 168.0 with the 32 of 32 keys the balance gives; a fixed cap of 16 lost at
-# 4k (s16 D7a, results/gpu_mla_combine_expand_h64_s16d7_h200.json, 64 heads b1: 35.9 vs 31.8 us). Opt-in until measured.
-TMA_SPLIT_KEYS_ENV = "OPENINFER_MLA_TMA_SPLIT_KEYS"
-
-
-def tma_split_keys(keys: int) -> int:
-    """The fewest keys a balanced split takes ($OPENINFER_MLA_TMA_SPLIT_KEYS; unset: ``keys``, the key tile's)."""
-    text = os.environ.get(TMA_SPLIT_KEYS_ENV) or str(keys)
-    if not text.isdigit() or not 16 <= int(text) <= 1024 or int(text) % 16:
-        raise ValueError(f"{TMA_SPLIT_KEYS_ENV} is a multiple of 16 from 16 to 1024 (the fewest keys a balanced split "
-                         f"takes); got {text!r}")
-    return int(text)
 # Block barriers per tile ($OPENINFER_MLA_TMA_BARRIERS): 2 (default; scores exchanged, then the stage handed
 # back) or 1 (two exchange buffers by tile parity, the stage of the previous tile refilled after this tile's
 # barrier: mla_decode_sm90.cu TMA_ONE_BARRIER; rings of at least 2 stages).
@@ -238,10 +222,8 @@ def tma_decode_kernel(spec: MLASpec, cluster: int = 1, write: bool = False,
     keys, stages = tma_tile()
     one_barrier = tma_one_barrier()
     smem = tma_decode_smem(spec, keys, stages, one_barrier, staged_q)
-    split_keys = tma_split_keys(keys)  # defined only where it differs: the kernel and cache entry as before
     attention = arch_kernel("mla_decode_sm90.cu", "mla_attention_tma", "sm_90a", smem, KV_LORA=spec.kv_lora_rank,
                             ROPE_DIM=spec.qk_rope_dim, TMA_KEYS=keys, TMA_STAGES=stages, TMA_CLUSTER=cluster,
-                            **({"TMA_SPLIT_KEYS": split_keys} if split_keys != keys else {}),
                             TMA_ONE_BARRIER=int(one_barrier), TMA_ROW_BOXES=int(tma_row_boxes()),
                             **({"TMA_FUSED_WRITE": 1} if write else {}), **({"TMA_Q_TILE": 1} if staged_q else {}))
     ptr = getattr(attention, "ptr", None)  # None: a discover_kernels stand-in
