@@ -1174,6 +1174,8 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "no_shared_after_route": "the shared expert forked before the routing ($OPENINFER_MOE_SHARED_AFTER_ROUTE=0)",
     "shared_down_late": "the shared expert's down projection beside the routed one instead of their gate_up "
                         "($OPENINFER_MOE_SHARED_DOWN_LATE=1)",
+    "combine_expand_cap16": "with mla_combine_expand, at most 1,024 / heads context splits (Kimi-K2: 16; "
+                            "$OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS=1024)",
     "no_combine_expand": "the split combine and W_UV as two launches ($OPENINFER_MLA_COMBINE_EXPAND=0; before s16)",
     "layer_ticket": "moe_route_decode's counter kept with the layer, no zeroing node per call "
                     "($OPENINFER_MOE_ROUTE_TICKET=layer; the default since s16 D3)",
@@ -1310,6 +1312,7 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "shared_down_late": (cuda_moe.SHARED_DOWN_LATE_ENV, "1"),
                 "layer_ticket": (cuda_moe.ROUTE_TICKET_ENV, "layer"),
                 "no_combine_expand": (cuda_mla.COMBINE_EXPAND_ENV, "0"),
+                "combine_expand_cap16": (cuda_mla.COMBINE_EXPAND_HEAD_SPLITS_ENV, "1024"),
                 "call_ticket": (cuda_moe.ROUTE_TICKET_ENV, "call"),
                 "mla_cluster4": (mla_decode_sm90.TMA_CLUSTER_ENV, "4"),
                 "mla_cluster8": (mla_decode_sm90.TMA_CLUSTER_ENV, "8"),

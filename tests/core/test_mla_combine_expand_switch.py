@@ -32,30 +32,33 @@ def cuda_mla(monkeypatch):
                 del sys.modules[name]
 
 
-def test_switch_default_and_off(cuda_mla, monkeypatch):
+def test_switch_off_by_default(cuda_mla, monkeypatch):
     monkeypatch.delenv("OPENINFER_MLA_COMBINE_EXPAND", raising=False)
-    assert cuda_mla.combine_expand_columns(1, 33, KIMI) == cuda_mla.DEFAULT_COMBINE_EXPAND == 64
+    assert cuda_mla.combine_expand_columns(1, 33, KIMI) == cuda_mla.DEFAULT_COMBINE_EXPAND == 0
     monkeypatch.setenv("OPENINFER_MLA_COMBINE_EXPAND", "0")
     assert cuda_mla.combine_expand_columns(1, 33, KIMI) == 0
 
 
 def test_most_splits_where_the_fused_kernel_runs(cuda_mla, monkeypatch):
-    """Where mla_combine_expand would run, heads x splits stay within OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS
-    (default 1,024: Kimi-K2's 64 heads 16 splits, Moonlight's 16 heads 64), at least 2; None where it would not run;
-    a bad value is a clear error."""
+    """Where mla_combine_expand would run, heads x splits stay within OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS (unset
+    or 0: no cap; 1,024: Kimi-K2's 64 heads 16 splits, Moonlight's 16 heads 64), at least 2; None where there is no cap
+    or the kernel would not run; a bad value is a clear error."""
     moonlight = MLASpec(num_heads=16, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, kv_lora_rank=512, scale=0.1)
     many = MLASpec(num_heads=1024, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, kv_lora_rank=512, scale=0.1)
-    monkeypatch.delenv("OPENINFER_MLA_COMBINE_EXPAND", raising=False)
+    monkeypatch.setenv("OPENINFER_MLA_COMBINE_EXPAND", "64")
     monkeypatch.delenv("OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS", raising=False)
     most = cuda_mla.combine_expand_most_splits
+    assert most(1, KIMI) is None
+    monkeypatch.setenv("OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS", "0")
+    assert most(1, KIMI) is None
+    monkeypatch.setenv("OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS", "1024")
     assert (most(1, KIMI), most(16, KIMI), most(1, moonlight), most(1, many)) == (16, 16, 64, 2)
     assert most(17, KIMI) is None  # past the fused kernel's rows
-    monkeypatch.setenv("OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS", "2048")
-    assert most(1, KIMI) == 32
-    for bad in ("0", "-4", "many"):
+    for bad in ("-4", "many", "1.5"):
         monkeypatch.setenv("OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS", bad)
         with pytest.raises(ValueError, match="OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS"):
             most(1, KIMI)
+    monkeypatch.setenv("OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS", "1024")
     monkeypatch.setenv("OPENINFER_MLA_COMBINE_EXPAND", "0")
     assert most(1, KIMI) is None  # the switch off: the kernel's own split count
 
@@ -110,7 +113,7 @@ def test_attend_and_expand_dispatch(cuda_mla, monkeypatch, switch, splits, expec
                       latent_write, most_splits):
         calls.append("attend")
         assert (token_rows, num_sms, absorbed_kernel, q_pe_only, latent_write) == ("rows", 132, "tma", True, None)
-        assert most_splits == (None if switch == "0" else 16)  # 1,024 head-splits over 64 heads
+        assert most_splits == (None if switch == "0" else 16)  # 1,024 head-splits over 64 heads (asked for below)
         return o_latent, partials
 
     monkeypatch.setattr(cuda_mla, "attend_splits", attend_splits)
@@ -118,7 +121,7 @@ def test_attend_and_expand_dispatch(cuda_mla, monkeypatch, switch, splits, expec
                         lambda p, o, w_uv, spec, out, columns: calls.append(f"combine_expand {columns}"))
     monkeypatch.setattr(cuda_mla, "combine_splits", lambda p, o, spec: calls.append("combine_splits"))
     monkeypatch.setattr(cuda_mla, "expand_values", lambda blas, o, w_uv, spec, out: calls.append("expand_values"))
-    monkeypatch.delenv("OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS", raising=False)
+    monkeypatch.setenv("OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS", "1024")
     q = types.SimpleNamespace(shape=(1, KIMI.num_heads * KIMI.qk_head_dim))
     cuda_mla.attend_and_expand(None, None, q, None, None, KIMI, None, None, "rows", 132, "tma", q_pe_only=True)
     assert calls == expected

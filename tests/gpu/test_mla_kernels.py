@@ -932,7 +932,7 @@ def test_combine_expand_forward_bit_equal_to_expand_small(cuda_backend, rng, mon
     """A whole mla_forward decode step with $OPENINFER_MLA_COMBINE_EXPAND on gives the bits of the step with it off
     and $OPENINFER_MLA_EXPAND_SMALL=1 (the combine, then mla_expand_small), eager and as a replayed CUDA graph; the
     fused kernel ran (the tma kernel's balanced splits leave some rows whole: read from o_latent). With its split cap
-    (1,024 head-splits, unset) the step's bits are those of the unfused step capped alike ($OPENINFER_MLA_MAX_SPLITS)."""
+    (1,024 head-splits) the step's bits are those of the unfused step capped alike ($OPENINFER_MLA_MAX_SPLITS)."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import mla_decode_sm90
 
@@ -941,7 +941,7 @@ def test_combine_expand_forward_bit_equal_to_expand_small(cuda_backend, rng, mon
     monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
     monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, "0")  # partials to combine (a cluster combines on chip)
     monkeypatch.setenv(cuda_mla.EXPAND_SMALL_ENV, "1")
-    monkeypatch.setenv(cuda_mla.COMBINE_EXPAND_HEAD_SPLITS_ENV, "65536")  # first the splits of the unfused step
+    monkeypatch.delenv(cuda_mla.COMBINE_EXPAND_HEAD_SPLITS_ENV, raising=False)  # first uncapped: the unfused splits
     spec = _spec(heads)
     step = ragged_mla_step(rng, spec, *_decode_rows(decodes), BLOCK_SIZE)
     device_cache = cuda_backend.upload(step[1]).reshape(step[1].shape[0], BLOCK_SIZE, 1, spec.latent_dim)
@@ -960,7 +960,7 @@ def test_combine_expand_forward_bit_equal_to_expand_small(cuda_backend, rng, mon
     assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=False), plain)
     assert fused_columns and set(fused_columns) == {int(columns)}
     assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=True), plain)
-    monkeypatch.delenv(cuda_mla.COMBINE_EXPAND_HEAD_SPLITS_ENV)
+    monkeypatch.setenv(cuda_mla.COMBINE_EXPAND_HEAD_SPLITS_ENV, "1024")
     most = cuda_mla.combine_expand_most_splits(int(step[2].shape[0]), spec)
     assert most == 1024 // heads  # the fused kernel's rows (it ran above)
     capped = _stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=True)

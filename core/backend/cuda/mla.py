@@ -142,29 +142,35 @@ ABSORB_SMALL_BUILDS = (4, WRITE_ABSORB_MAX_TOKENS)
 # from global memory) instead of cuBLAS's batched GEMM in steps of at most EXPAND_SMALL_MAX_TOKENS rows.
 EXPAND_SMALL_ENV = "OPENINFER_MLA_EXPAND_SMALL"
 EXPAND_SMALL_MAX_TOKENS, EXPAND_SMALL_COLUMNS, EXPAND_SMALL_THREADS = 64, 16, 128  # mla.cu EXPAND_*
-# Opt-in until measured on the device: $OPENINFER_MLA_COMBINE_EXPAND=16 / 32 / 64 runs the split combine and W_UV as
+# Opt-in (measured in s16, below): $OPENINFER_MLA_COMBINE_EXPAND=16 / 32 / 64 runs the split combine and W_UV as
 # one kernel, mla_combine_expand, in steps with splits to combine and at most COMBINE_EXPAND_MAX_TOKENS rows: each
 # block merges its head's splits into bf16 latent rows in shared memory and multiplies them by that many columns of
 # W_UV[h] at once (mla_expand_small's mma), so one launch and no o_latent round trip between the two. Why: s16's
 # CUPTI timeline of a Kimi-K2 layer at batch 1 (H200, 64 heads, 1k context, 33+ splits) had the combine at 4.8 us,
 # W_UV 4.5 us and ~0.5 us between them. Bit-equal to the combine (flat or wide) then mla_expand_small
 # ($OPENINFER_MLA_EXPAND_SMALL=1). Each column block merges its head's partials again (more L2 reads with fewer
-# columns, more blocks in parallel). 0: two launches. Where it runs, a token's context splits are capped so that
-# heads x splits stay within $OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS (default COMBINE_EXPAND_HEAD_SPLITS; at least
-# 2 splits): every block merges its head's splits, so their count is its work, and fewer partial rows are written
-# and read (Kimi-K2's 64 heads at one token: 16 splits instead of 64; Moonlight's 16 heads keep 64).
-# 64 columns and 1,024 head-splits by default since s16 (H200, Kimi-K2 layer b1 graph, alternated A B ... B A):
-# D5 (results/kimi_layer_b1_s16d5_h200.json) off 167.4 / 168.9 us, 16 columns 169.9 / 170.6, 32 167.7 / 168.0, 64
-# 167.9 / 167.4 (64 splits), 32 with 16 splits 165.4 / 165.6; D6 (kimi_layer_b1_s16d6_h200.json) off 167.3 / 168.0,
-# 16 splits alone 166.4 / 166.2, 64 columns + 16 splits 164.9 / 165.7, 32 + 16 165.4 / 166.1, 32 + 8 169.8 / 168.8,
-# 32 + 32 166.3 / 166.5. D5's timeline (_timeline_): attention 10.0 -> 11.7 us at 16 splits, then 6.8 for
-# mla_combine_expand where the combine + W_UV took 4.8 + 4.5 + a 0.5 gap.
+# columns, more blocks in parallel). 0 (default): two launches. $OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS=N (unset: no
+# cap) caps a token's context splits where it runs so that heads x splits stay within N (at least 2): every block
+# merges its head's splits, so their count is its work, and fewer partial rows are written and read.
+# Measured in s16 (H200; Kimi-K2 layer b1 graph at 1k context, alternated A B ... B A; gpu_mla.py's whole mla_forward
+# graph): the cap wins at 1k and loses at 4k, the kernel alone wins only at one token and is about even there, so
+# both stay opt-in. D5 (results/kimi_layer_b1_s16d5_h200.json) off 167.4 / 168.9 us, 16 columns 169.9 / 170.6, 32
+# 167.7 / 168.0, 64 167.9 / 167.4, 32 with 16 splits 165.4 / 165.6; D6 (kimi_layer_b1_s16d6_h200.json) off 167.3 /
+# 168.0, 16 splits alone 166.4 / 166.2, 64 columns + 16 splits 164.9 / 165.7, 32 + 8 169.8 / 168.8, 32 + 32 166.3 /
+# 166.5; D7a (kimi_layer_b1_s16d7_h200.json) 64 columns + a 1,024 head-split cap 165.3 / 166.6 / 165.5 / 165.3 vs
+# 168.6 / 169.2 / 168.8 / 168.5 without both and with s15's per-call route counter, but gpu_mla (64 heads, b1,
+# gpu_mla_combine_expand_h64_s16d7_h200.json) 24.3 vs 25.1 us at 1k and 35.9 vs 31.8 at 4k, and at 4 / 16 tokens
+# slower at 16 and 64 heads (16 heads b16 1k 36.3 vs 29.3); D8 (gpu_mla_splitkeys_*_s16d8_h200.json, uncapped, us):
+# 64 heads b1 1k / 4k 25.6 / 31.6 vs 24.8 / 32.4 off, 16 heads 24.0 / 30.6 vs 23.2 / 30.2; layer b1 167.8 / 167.3 vs
+# 167.9 / 168.2. (Balanced splits of at least 64 keys instead of a cap, so that a short context runs fewer splits
+# on the device: D8 layer 167.4 / 167.5 alone, 168.8 / 168.5 with the fused kernel; gpu_mla 64 heads b1 1k 27.6 vs
+# 24.8 us. Deleted.)
 COMBINE_EXPAND_ENV = "OPENINFER_MLA_COMBINE_EXPAND"
 COMBINE_EXPAND_CHOICES = (16, 32, 64)  # mla.cu COMBINE_EXPAND_COLUMNS builds
-DEFAULT_COMBINE_EXPAND = 64
+DEFAULT_COMBINE_EXPAND = 0
 COMBINE_EXPAND_MAX_TOKENS = 16  # mla.cu: the rows of one mma tile
 COMBINE_EXPAND_HEAD_SPLITS_ENV = "OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS"
-COMBINE_EXPAND_HEAD_SPLITS = 1024
+COMBINE_EXPAND_HEAD_SPLITS = 0  # no cap
 # Deleted in s15: $OPENINFER_MLA_PDL (opt-in PDL of the decode kernels), within noise and racy. s15 D2 (H200,
 # Kimi-K2 layer b1 graph, results/kimi_layer_b1_s15d2_h200.json) 173.5 / 174.1 us vs 173.6 / 173.7 without;
 # s12 D1 Moonlight b1 / b16 / b64 0.990 / 1.000 / 1.006x. s15 D6a (H200): test_pdl_decode_bit_equal_to_plain_
@@ -863,15 +869,15 @@ def combine_expand(partials: SplitPartials, o_latent: cupy.ndarray, w_uv: cupy.n
 
 def combine_expand_most_splits(num_tokens: int, spec: MLASpec) -> int | None:
     """The most context splits a token takes where mla_combine_expand would combine them (see COMBINE_EXPAND_ENV:
-    heads x splits within $OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS, a positive integer; at least 2), or None where
-    it would not run at all. Row count only: graph-safe."""
+    heads x splits within $OPENINFER_MLA_COMBINE_EXPAND_HEAD_SPLITS, an integer >= 0, 0: no cap; at least 2), or
+    None where there is no cap or the kernel would not run. Row count only: graph-safe."""
     if not combine_expand_columns(num_tokens, 2, spec):
         return None
     text = os.environ.get(COMBINE_EXPAND_HEAD_SPLITS_ENV) or str(COMBINE_EXPAND_HEAD_SPLITS)
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"{COMBINE_EXPAND_HEAD_SPLITS_ENV} is a positive integer (heads x context splits); "
+    if not text.isdigit():
+        raise ValueError(f"{COMBINE_EXPAND_HEAD_SPLITS_ENV} is an integer >= 0 (heads x context splits; 0: no cap); "
                          f"got {text!r}")
-    return max(2, int(text) // spec.num_heads)
+    return max(2, int(text) // spec.num_heads) if int(text) else None
 
 
 def attend_and_expand(blas: Cublas, q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray,
