@@ -188,78 +188,56 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m8(GEMV_
     gemv_tile<8, 4, 1>(x, w, bias, y, M, N, K, blockIdx.x);
 }
 
-// gemv_m1_rms_scaled's FMAs for a pass of raw weight words from k0 (those below K): Σ x² (once, whatever COLS) and
-// each column's Σ x·g·w, in k order.
-template <int UNROLL, int COLS>
+// gemv_m1_rms_scaled's FMAs for a pass of raw weight words from k0 (those below K): Σ x² and Σ x·g·w, in k order.
+template <int UNROLL>
 __device__ __forceinline__ void rms_scaled_consume(const bf16* __restrict__ x, const bf16* __restrict__ norm_weight,
-                                                   const uint4 (&raw)[UNROLL][COLS], float (&acc)[COLS], float& ss,
-                                                   int K, int k0) {
+                                                   const uint4 (&raw)[UNROLL][1], float& acc, float& ss, int K,
+                                                   int k0) {
     constexpr int STEP = 32 * 8;
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         const int k = k0 + u * STEP;
         if (k >= K) break;
-        float xf[8], gf[8];
+        float xf[8], gf[8], wf[8];
         load8(x + k, xf);
         load8(norm_weight + k, gf);
+        words_to_floats8(raw[u][0], wf);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) ss += xf[i] * xf[i];
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) {
-            float wf[8];
-            words_to_floats8(raw[u][c], wf);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[c] += xf[i] * gf[i] * wf[i];
+        for (int i = 0; i < 8; ++i) {
+            ss += xf[i] * xf[i];
+            acc += xf[i] * gf[i] * wf[i];
         }
     }
 }
 
 // gemv_m1_rms_scaled: y = rms_norm(x) @ w^T (+ bias) for one row with no normalised row in between (Kimi-K2's
 // q_a_norm + q_b: the norm a launch of its own before gemv_m1, ~5 us at batch 1 for a 3 KB row). A warp's
-// lanes walk the whole x row (16-byte chunks 8·lane + 256·j), so each warp sums x² itself, beside its columns'
-// Σ x·g·w (fp32); a column's sum is scaled by rsqrt(Σx²/K + eps) at the end. The weight rows' loads issue
+// lanes walk the whole x row (16-byte chunks 8·lane + 256·j), so each warp sums x² itself, beside its column's
+// Σ x·g·w (fp32); the column's sum is scaled by rsqrt(Σx²/K + eps) at the end. The weight row's loads issue
 // first, as gemv_m1's (passes of RMS_SCALED_UNROLL, the partial last pass all at once). Not the bits of rms_norm
 // then gemv_m1 (that rounds the normalised row to bf16 twice): fp32 throughout, within bf16 rounding.
-// RMS_SCALED_COLS (core's gemv_m1 columns a warp, linear.gemv_m1_columns: 1 unless set): the columns a warp owns, a
-// grid that many times narrower (Kimi-K2's q_b, 12,288 outputs: 1,536 blocks in 2.3 waves -> 768), Σ x² summed once
-// for them; each column's sums in the same order: the 1-column bits.
 #ifndef RMS_SCALED_UNROLL
 #define RMS_SCALED_UNROLL 6  // a pass of 6 loads (Kimi-K2's q_b: K = 1536 in one): 48 registers, 5 blocks an SM as gemv_m1
-#endif
-#ifndef RMS_SCALED_COLS
-#define RMS_SCALED_COLS 1
 #endif
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32, 5)
 gemv_m1_rms_scaled(const bf16* __restrict__ x, const bf16* __restrict__ norm_weight, float eps,
                    const bf16* __restrict__ w, const bf16* __restrict__ bias, bf16* __restrict__ y, int N, int K) {
-    constexpr int COLS = RMS_SCALED_COLS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * WARPS_PER_BLOCK + warp) * COLS;
-    if (n0 >= N) return;
-    const bf16* wrow[COLS];  // gemv_raw_issue's rows (past N: the last row again, never stored)
-#pragma unroll
-    for (int c = 0; c < COLS; ++c) wrow[c] = w + (size_t)min(n0 + c, N - 1) * K;
+    const int n = blockIdx.x * WARPS_PER_BLOCK + warp;
+    if (n >= N) return;
+    const bf16* const wrow[1] = {w + (size_t)n * K};  // gemv_raw_issue's rows of one column
     constexpr int STEP = 32 * 8, UNROLL = RMS_SCALED_UNROLL;
-    float acc[COLS], ss = 0.f;
-#pragma unroll
-    for (int c = 0; c < COLS; ++c) acc[c] = 0.f;
+    float acc = 0.f, ss = 0.f;
     for (int k0 = lane * 8; k0 < K; k0 += UNROLL * STEP) {
-        uint4 raw[UNROLL][COLS];
-        gemv_raw_issue<COLS, UNROLL>(wrow, raw, K, k0);
-        rms_scaled_consume<UNROLL, COLS>(x, norm_weight, raw, acc, ss, K, k0);
+        uint4 raw[UNROLL][1];
+        gemv_raw_issue<1, UNROLL>(wrow, raw, K, k0);
+        rms_scaled_consume<UNROLL>(x, norm_weight, raw, acc, ss, K, k0);
     }
-#pragma unroll
-    for (int c = 0; c < COLS; ++c) acc[c] = warp_sum(acc[c]);
+    acc = warp_sum(acc);
     ss = warp_sum(ss);
     if (lane == 0) {
-        const float scale = rsqrtf(ss / K + eps);
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) {
-            const int n = n0 + c;
-            if (n >= N) break;
-            const float b = bias != nullptr ? __bfloat162float(bias[n]) : 0.f;
-            y[n] = __float2bfloat16_rn(acc[c] * scale + b);
-        }
+        const float b = bias != nullptr ? __bfloat162float(bias[n]) : 0.f;
+        y[n] = __float2bfloat16_rn(acc * rsqrtf(ss / K + eps) + b);
     }
 }
 

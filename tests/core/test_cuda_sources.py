@@ -85,8 +85,7 @@ VARIANTS = {
                                   {"HEAD_DIM": 128, "TMA_KV_LOADS": 1, "KV_RUNS": 1}],
 }
 # moe13's Hopper grouped expert GEMM: plain and with gate_up's SiLU·mul fused, 4 and 3 stages
-VARIANTS["gemv.cu"] = [{}, {"GEMV_BATCHED_TAIL": 1},  # kimi13: the last partial pass's loads first
-                       {"RMS_SCALED_COLS": 2, "GEMV_M1_COLS": 2}]  # s16: gemv_m1_rms_scaled at 2 columns a warp
+VARIANTS["gemv.cu"] = [{}, {"GEMV_BATCHED_TAIL": 1}]  # kimi13: the last partial pass's loads first
 # int4 (s13): the lane-groups INT4 GEMV's staged activations (with SiLU·mul)
 VARIANTS["moe_int4.cu"] = [
     {}, {"GROUPS_XSMEM": 2}, {"GROUPS_XSMEM": 1, "GROUPS_FUSE_SILU": 1},

@@ -244,9 +244,8 @@ def rms_norm_gemv(x: cupy.ndarray, norm_weight: cupy.ndarray, eps: float, layer:
     the caller checks ``rms_scaled_wanted``."""
     n, k = layer.out_features, layer.in_features
     out = cupy.empty((1, n), dtype=cupy.uint16)
-    cols = gemv_m1_columns(n)  # as gemv_m1 would take the same weight (gemv.cu RMS_SCALED_COLS; the same bits)
-    kernel("gemv.cu", "gemv_m1_rms_scaled", **({"RMS_SCALED_COLS": cols} if cols != 1 else {}))(
-        (-(-n // (GEMV_WARPS_PER_BLOCK * cols)),), (GEMV_WARPS_PER_BLOCK * 32,),
+    kernel("gemv.cu", "gemv_m1_rms_scaled")(
+        (-(-n // GEMV_WARPS_PER_BLOCK),), (GEMV_WARPS_PER_BLOCK * 32,),
         (cupy.ascontiguousarray(x), norm_weight, np.float32(eps), layer.weight,
          layer.bias if layer.bias is not None else NULL, out, np.int32(n), np.int32(k)))
     return out

@@ -38,8 +38,7 @@ int main(int argc, char** argv) {
     save(dir, "unfused_silu.bin", y_silu);
     std::vector<bf16> y_plain(N), y_scaled(N);
     launch(m1_tiles, 1, 1, threads, [&] { gemv_m1(x.data(), w.data(), nullptr, y_plain.data(), 1, N, K); });
-    const int scaled_tiles = (N + WARPS_PER_BLOCK * RMS_SCALED_COLS - 1) / (WARPS_PER_BLOCK * RMS_SCALED_COLS);
-    launch(scaled_tiles, 1, 1, threads, [&] {
+    launch(tiles, 1, 1, threads, [&] {
         gemv_m1_rms_scaled(x.data(), norm.data(), eps, w.data(), nullptr, y_scaled.data(), N, K);
     });
     save(dir, "gemv_m1.bin", y_plain);
