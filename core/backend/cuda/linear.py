@@ -224,6 +224,10 @@ def fused_silu_mul_gemv(gate_up: cupy.ndarray, layer: CudaLinear, num_sms: int,
 # Σ x·g·w at the end: no normalised row, no norm launch; within bf16 rounding of the two launches, not
 # their bits). Where the CUDA backend's add_rms_norm_linear has no residual (Kimi-K2 / DeepSeek-V3's
 # q_a_norm + q_b at batch 1: rms_norm + gemv_m1 17.4 us in s11 D3's breakdown, gemv_m1 alone 12.2).
+# (At gemv_m1's columns a warp, RMS_SCALED_COLS = 2 for q_b under the kernel's 5-blocks-an-SM launch bounds: s16 D11,
+# H200, Kimi-K2 layer b1 graph, alternated, results/kimi_layer_b1_s16d11_h200.json: 186.8 / 185.5 / 185.7 / 185.3 us
+# vs 166.8 / 165.6 / 166.1 / 167.6 without the switch; deleted. Two columns' 12 raw words a lane do not fit the
+# ~51 registers those bounds leave.)
 RMS_SCALED_GEMV_ENV = "OPENINFER_RMS_SCALED_GEMV"
 DEFAULT_RMS_SCALED_GEMV = False
 
