@@ -545,8 +545,8 @@ extern "C" __global__ void mla_combine_splits_wide(const float* __restrict__ par
 
 // The weighted sums of dims d .. d + 3 of one head row over its splits and their total weight, from the splits'
 // (max, sum) pairs `ml` and partial rows (`column`: dim d of split 0's row, KV_LORA apart); the merged dim is
-// sum / total (0 where total is 0). mla_combine_splits_flat's sums, shared with mla_combine_expand so both write
-// the same bits. The caller skips a row whose split 0 says max = +inf.
+// sum / total (0 where total is 0). mla_combine_splits_flat's sums (mla_combine_expand makes the same weights once per
+// block and the same fused multiply-adds). The caller skips a row whose split 0 says max = +inf.
 __device__ __forceinline__ void mla_merge_splits4(const float2* __restrict__ ml, const float* __restrict__ column,
                                                   int num_splits, float (&sum)[4], float& total) {
     float m = -INFINITY;
@@ -603,8 +603,8 @@ mla_combine_splits_flat(const float* __restrict__ partial_o, const float* __rest
 
 // The split combine and W_UV in one launch for small decode steps (T <= COMBINE_EXPAND_MAX_TOKENS): grid
 // (num_heads, V_DIM / COMBINE_EXPAND_COLUMNS), COMBINE_EXPAND_GROUPS x EXPAND_WARPS warps. Block (h, c) first
-// merges head h's splits of every row into bf16 latent rows in shared memory (mla_merge_splits4: the bits
-// mla_combine_splits_flat / _wide write; a row written whole by its one split is read from o_latent), then
+// merges head h's splits of every row into bf16 latent rows in shared memory (the bits mla_combine_splits_flat /
+// _wide write, from split weights made once per block; a row written whole by its one split is read from o_latent), then
 // multiplies them by columns c · COMBINE_EXPAND_COLUMNS ... of W_UV[h]: each group of EXPAND_WARPS warps 16 columns
 // as one mla_expand_small block does them (the same fragments, k order and cross-warp sum: the same bits).
 // Every column block of a head merges that head's partials again (L2 reads); fewer, wider blocks read less and
@@ -632,6 +632,8 @@ mla_combine_expand(const float* __restrict__ partial_o /* [T, H, S, KV_LORA] */,
                    bf16* __restrict__ out /* [T, H·V_DIM] */) {
     __shared__ __align__(16) unsigned latent[COMBINE_EXPAND_MAX_TOKENS][COMBINE_EXPAND_ROW];
     __shared__ float partial[COMBINE_EXPAND_GROUPS][EXPAND_WARPS][COMBINE_EXPAND_MAX_TOKENS][EXPAND_COLUMNS];
+    __shared__ float split_weight[COMBINE_EXPAND_MAX_TOKENS][COMBINE_MAX_SPLITS];  // < 0: an empty split
+    __shared__ float row_total[COMBINE_EXPAND_MAX_TOKENS];
     const int h = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group = lane >> 2, pair = (lane & 3) * 2;
     const int k_warp = warp % EXPAND_WARPS, column_group = warp / EXPAND_WARPS;
@@ -648,16 +650,63 @@ mla_combine_expand(const float* __restrict__ partial_o /* [T, H, S, KV_LORA] */,
             b[step][n][0] = *reinterpret_cast<const unsigned*>(row);
             b[step][n][1] = *reinterpret_cast<const unsigned*>(row + 8);
         }
+    // each row's split weights once for the block (a warp a row: the max over non-empty splits by a warp reduction,
+    // exact in any order; the weights as mla_merge_splits4 rounds them; the total by a thread in split order), so the
+    // merge below reads them from shared memory and loads only the non-empty splits' partial rows: its cost follows
+    // the splits that hold keys, not the grid's split count
+    for (int t = warp; t < num_tokens; t += COMBINE_EXPAND_THREADS / 32) {
+        const float2* ml = reinterpret_cast<const float2*>(partial_ml + ((long long)t * num_heads + h) * num_splits * 2);
+        float m = -INFINITY;
+        for (int z = lane; z < num_splits; z += 32) {
+            const float2 split = ml[z];
+            if (split.y > 0.f) m = fmaxf(m, split.x);
+        }
+        m = warp_max(m);
+        for (int z = lane; z < num_splits; z += 32) {
+            const float2 split = ml[z];
+            split_weight[t][z] = split.y > 0.f ? __fmul_rn(__expf(split.x - m), split.y) : -1.f;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < num_tokens) {  // a thread a row: its total in split order
+        const int t = threadIdx.x;
+        float total = 0.f;
+        for (int z = 0; z < num_splits; ++z)
+            if (split_weight[t][z] >= 0.f) total += split_weight[t][z];
+        const float* ml = partial_ml + ((long long)t * num_heads + h) * num_splits * 2;
+        row_total[t] = ml[0] == INFINITY ? -1.f : total;  // < 0: written whole by its one split (in o_latent)
+    }
+    __syncthreads();
     for (int i = threadIdx.x; i < num_tokens * (KV_LORA / 4); i += COMBINE_EXPAND_THREADS) {
         const int t = i / (KV_LORA / 4), d = (i % (KV_LORA / 4)) * 4;
         const long long head = (long long)t * num_heads + h;
-        const float2* ml = reinterpret_cast<const float2*>(partial_ml + head * num_splits * 2);
+        const float total = row_total[t];
         uint2 pairs;
-        if (ml[0].x == INFINITY) {  // written whole by its one split: the row is in o_latent
+        if (total < 0.f) {  // written whole by its one split: the row is in o_latent
             pairs = *reinterpret_cast<const uint2*>(o_latent + head * KV_LORA + d);
-        } else {
-            float sum[4], total;  // then as mla_combine_splits_flat rounds them
-            mla_merge_splits4(ml, partial_o + head * num_splits * KV_LORA + d, num_splits, sum, total);
+        } else {  // mla_merge_splits4's fused multiply-adds in split order, then as mla_combine_splits_flat rounds them
+            const float* column = partial_o + head * num_splits * KV_LORA + d;
+            float sum[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int z0 = 0; z0 < num_splits; z0 += COMBINE_FLAT_CHUNK) {
+                float4 o[COMBINE_FLAT_CHUNK];
+#pragma unroll
+                for (int k = 0; k < COMBINE_FLAT_CHUNK; ++k) {
+                    const int z = z0 + k;
+                    o[k] = z < num_splits && split_weight[t][z] >= 0.f
+                               ? *reinterpret_cast<const float4*>(column + (long long)z * KV_LORA)
+                               : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+#pragma unroll
+                for (int k = 0; k < COMBINE_FLAT_CHUNK; ++k) {
+                    const int z = z0 + k;
+                    if (z >= num_splits || split_weight[t][z] < 0.f) continue;
+                    const float w = split_weight[t][z];
+                    sum[0] = fmaf(w, o[k].x, sum[0]);
+                    sum[1] = fmaf(w, o[k].y, sum[1]);
+                    sum[2] = fmaf(w, o[k].z, sum[2]);
+                    sum[3] = fmaf(w, o[k].w, sum[3]);
+                }
+            }
             pairs.x = pack_bf16x2(total > 0.f ? sum[0] / total : 0.f, total > 0.f ? sum[1] / total : 0.f);
             pairs.y = pack_bf16x2(total > 0.f ? sum[2] / total : 0.f, total > 0.f ? sum[3] / total : 0.f);
         }

@@ -277,7 +277,7 @@ def test_mla_kernels_match_numpy(tmp_path, case):
 
 # (rows, context splits): one decode row over 33 splits (three 16-split chunks, the last ragged), 3 rows over 5,
 # the row cap of 16 over 20
-COMBINE_EXPAND_CASES = [(1, 33), (3, 5), (16, 20)]
+COMBINE_EXPAND_CASES = [(1, 33), (3, 5), (16, 20), (1, 64), (4, 64)]  # 64: lanes past the first 32 splits
 
 
 @pytest.mark.parametrize("columns", [16, 32, 64])

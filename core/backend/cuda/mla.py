@@ -165,6 +165,9 @@ EXPAND_SMALL_MAX_TOKENS, EXPAND_SMALL_COLUMNS, EXPAND_SMALL_THREADS = 64, 16, 12
 # 167.9 / 168.2. (Balanced splits of at least 64 keys instead of a cap, so that a short context runs fewer splits
 # on the device: D8 layer 167.4 / 167.5 alone, 168.8 / 168.5 with the fused kernel; gpu_mla 64 heads b1 1k 27.6 vs
 # 24.8 us. Deleted.)
+# After those measurements (no device time left in s16) the kernel makes each row's split weights once per block in
+# shared memory instead of every thread walking every split's (max, sum) three times: its merge then costs the splits
+# that hold keys, not the grid's split count (the emulated bits unchanged). To measure next, with and without the cap.
 COMBINE_EXPAND_ENV = "OPENINFER_MLA_COMBINE_EXPAND"
 COMBINE_EXPAND_CHOICES = (16, 32, 64)  # mla.cu COMBINE_EXPAND_COLUMNS builds
 DEFAULT_COMBINE_EXPAND = 0
