@@ -441,6 +441,17 @@ def graph_call_seconds(calls: list) -> tuple[float, str | None]:
         return gpu_seconds(run_all, repeats=5, warmup=1) / len(calls), f"{type(exc).__name__}: {exc}"
 
 
+def noting_failure(failures: dict[str, str], label: str, call) -> None:
+    """``call()``; an exception is noted under ``label`` (its first one) instead of raised: one variant that cannot
+    run (a bad switch combination, a kernel that fails to load) leaves the others to be measured."""
+    if label in failures:
+        return
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - reported in the results JSON
+        failures[label] = f"{type(exc).__name__}: {exc}"
+
+
 def warm_kernels(calls: list) -> None:
     """Compile every CUDA module ``calls`` would launch, in parallel NVRTC threads: a dry pass
     records them (core's discover_kernels; nothing runs), compile_kernels builds them. A fresh
@@ -1380,7 +1391,7 @@ def run_layer(args) -> dict:
     rope = RotaryEmbedding.create(c["rope"], RopeParameters(50000.0), args.context + 8)
     cos, sin = cupy.asarray(rope.cos), cupy.asarray(rope.sin)
     bandwidth = copy_bandwidth()
-    points = []
+    points, failures = [], {}  # failures: variant label -> the error its dry run raised
     for batch in (int(b) for b in args.batches.split(",")):
         block_size = 64
         blocks_per_seq = -(-(args.context + 1) // block_size)
@@ -1398,68 +1409,78 @@ def run_layer(args) -> dict:
         if not points:  # every variant's modules compiled in parallel before anything is timed
             dry = []
             for absorbed_kernel, gemv_kernel, options in variants:
-                dry.append(partial(use_variant, gemv_kernel, options))
-                dry.append(partial(layer_step, backends["fused" in options], attention, moes[variant_layout(options)],
-                                   shared, spec, cache, device_batch, cos, sin, x, absorbed_kernel))
+                label = variant_label(absorbed_kernel, gemv_kernel, options)
+                dry.append(partial(noting_failure, failures, label, partial(use_variant, gemv_kernel, options)))
+                dry.append(partial(noting_failure, failures, label, partial(
+                    layer_step, backends["fused" in options], attention, moes[variant_layout(options)], shared, spec,
+                    cache, device_batch, cos, sin, x, absorbed_kernel)))
             warm_kernels(dry)
         for absorbed_kernel, gemv_kernel, options in variants:
-            use_variant(gemv_kernel, options)
-            ops, moe = backends["fused" in options], moes[variant_layout(options)]
-            step = partial(layer_step, ops, attention, moe, shared, spec, cache, device_batch, cos, sin, x,
-                           absorbed_kernel)
-            h, _ = step()
-            ids, _ = moe_routing.route(h, moe.gate, moe.router, moe.correction_bias)  # the experts the step reads
-            active = int(cupy.unique(ids).size)
-            breakdown = layer_breakdown(layer_parts(ops, attention, moe, shared, spec, cache, device_batch, cos, sin,
-                                                    x, absorbed_kernel), step, args.iters)
-            eager = gpu_seconds(step, repeats=args.iters, warmup=2)
-            graph_seconds, graph_error, timeline, in_model_seconds = None, None, None, None
-            pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-            try:  # the engine replays decode steps as CUDA graphs: time the layer the same way
-                with cupy.cuda.using_allocator(pool.malloc), stream:
-                    step()
-                    stream.synchronize()
-                    mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
-                    if mode is None:
-                        stream.begin_capture()
-                    else:
-                        stream.begin_capture(mode)
-                    try:
+            label = variant_label(absorbed_kernel, gemv_kernel, options)
+            if label in failures:  # a variant that cannot run is reported, the others still measured
+                points.append({"batch": batch, "variant": label, "error": failures[label]})
+                print(json.dumps(points[-1]), flush=True)
+                continue
+            try:  # a variant that fails here (a kernel that will not load, say) is reported, the rest measured
+                use_variant(gemv_kernel, options)
+                ops, moe = backends["fused" in options], moes[variant_layout(options)]
+                step = partial(layer_step, ops, attention, moe, shared, spec, cache, device_batch, cos, sin, x,
+                               absorbed_kernel)
+                h, _ = step()
+                ids, _ = moe_routing.route(h, moe.gate, moe.router, moe.correction_bias)  # the experts the step reads
+                active = int(cupy.unique(ids).size)
+                breakdown = layer_breakdown(layer_parts(ops, attention, moe, shared, spec, cache, device_batch, cos, sin,
+                                                        x, absorbed_kernel), step, args.iters)
+                eager = gpu_seconds(step, repeats=args.iters, warmup=2)
+                graph_seconds, graph_error, timeline, in_model_seconds = None, None, None, None
+                pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+                try:  # the engine replays decode steps as CUDA graphs: time the layer the same way
+                    with cupy.cuda.using_allocator(pool.malloc), stream:
                         step()
-                    finally:
-                        graph = stream.end_capture()
-                    graph_seconds = gpu_seconds(graph.launch, repeats=args.iters, warmup=2)
-                    timeline = graph_timeline(graph.launch) if args.timeline else None
-                    if args.layers_per_graph > 1:  # as in a model's step: layers back to back in one graph
+                        stream.synchronize()
+                        mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
                         if mode is None:
                             stream.begin_capture()
                         else:
                             stream.begin_capture(mode)
                         try:
-                            for _ in range(args.layers_per_graph):
-                                step()
+                            step()
                         finally:
-                            layers_graph = stream.end_capture()
-                        in_model_seconds = gpu_seconds(layers_graph.launch, repeats=args.iters,
-                                                       warmup=2) / args.layers_per_graph
-            except Exception as exc:  # noqa: BLE001 - reported in the JSON, eager timing stands
-                graph_error = f"{type(exc).__name__}: {exc}"
-            seconds = graph_seconds or eager
-            needed = layer_bytes(attention, moe, shared, active, batch, args.context)
-            roofline = needed / bandwidth
-            points.append({"batch": batch, "absorbed_kernel": absorbed_kernel, "gemv_kernel": gemv_kernel,
-                           "options": list(options), "variant": variant_label(absorbed_kernel, gemv_kernel, options),
-                           "absorbed_kernel_run": cuda_mla.choose_absorbed_kernel(spec.num_heads, batch,
-                                                                                  absorbed_kernel),
-                           "step_ms": 1e3 * seconds, "eager_ms": 1e3 * eager,
-                           "graph_ms": None if graph_seconds is None else 1e3 * graph_seconds,
-                           "graph_error": graph_error, "roofline_ms": 1e3 * roofline,
-                           "fraction_of_roofline": roofline / seconds, "active_experts": active, "bytes": needed,
-                           "breakdown_sum_ms": sum(breakdown["breakdown_ms"].values()), **breakdown,
-                           **({"layers_per_graph": args.layers_per_graph, "in_model_ms": 1e3 * in_model_seconds,
-                               "in_model_fraction_of_roofline": roofline / in_model_seconds}
-                              if in_model_seconds else {}),
-                           **({"timeline": timeline} if timeline is not None else {})})
+                            graph = stream.end_capture()
+                        graph_seconds = gpu_seconds(graph.launch, repeats=args.iters, warmup=2)
+                        timeline = graph_timeline(graph.launch) if args.timeline else None
+                        if args.layers_per_graph > 1:  # as in a model's step: layers back to back in one graph
+                            if mode is None:
+                                stream.begin_capture()
+                            else:
+                                stream.begin_capture(mode)
+                            try:
+                                for _ in range(args.layers_per_graph):
+                                    step()
+                            finally:
+                                layers_graph = stream.end_capture()
+                            in_model_seconds = gpu_seconds(layers_graph.launch, repeats=args.iters,
+                                                           warmup=2) / args.layers_per_graph
+                except Exception as exc:  # noqa: BLE001 - reported in the JSON, eager timing stands
+                    graph_error = f"{type(exc).__name__}: {exc}"
+                seconds = graph_seconds or eager
+                needed = layer_bytes(attention, moe, shared, active, batch, args.context)
+                roofline = needed / bandwidth
+                points.append({"batch": batch, "absorbed_kernel": absorbed_kernel, "gemv_kernel": gemv_kernel,
+                               "options": list(options), "variant": variant_label(absorbed_kernel, gemv_kernel, options),
+                               "absorbed_kernel_run": cuda_mla.choose_absorbed_kernel(spec.num_heads, batch,
+                                                                                      absorbed_kernel),
+                               "step_ms": 1e3 * seconds, "eager_ms": 1e3 * eager,
+                               "graph_ms": None if graph_seconds is None else 1e3 * graph_seconds,
+                               "graph_error": graph_error, "roofline_ms": 1e3 * roofline,
+                               "fraction_of_roofline": roofline / seconds, "active_experts": active, "bytes": needed,
+                               "breakdown_sum_ms": sum(breakdown["breakdown_ms"].values()), **breakdown,
+                               **({"layers_per_graph": args.layers_per_graph, "in_model_ms": 1e3 * in_model_seconds,
+                                   "in_model_fraction_of_roofline": roofline / in_model_seconds}
+                                  if in_model_seconds else {}),
+                               **({"timeline": timeline} if timeline is not None else {})})
+            except Exception as exc:  # noqa: BLE001 - reported in the results JSON
+                points.append({"batch": batch, "variant": label, "error": f"{type(exc).__name__}: {exc}"})
             print(json.dumps(points[-1]), flush=True)
     return {"benchmark": "kimi_k2_layer", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
             "context": args.context, "variants": [variant_label(*v) for v in variants], "layer": KIMI_LAYER,
@@ -1628,8 +1649,8 @@ def plot_layer(report: dict, path: Path) -> None:
     batches = sorted({p["batch"] for p in points})
     variants = report["variants"]
 
-    def point_of(batch: int, variant: str):
-        return next((p for p in points if p["batch"] == batch
+    def point_of(batch: int, variant: str):  # a measured point (not a variant that failed)
+        return next((p for p in points if p["batch"] == batch and "error" not in p
                      and variant == p.get("variant", f"{p['absorbed_kernel']}:{p['gemv_kernel']}")), None)
 
     x = np.arange(len(batches))

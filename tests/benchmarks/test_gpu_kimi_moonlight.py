@@ -80,3 +80,30 @@ def test_moonlight_layout_is_the_published_size():
         ends = [offset + gpu_kimi.tensor_bytes(shape, fill) for _, shape, fill, offset in placed]
         assert placed[0][3] == len(header) and [p[3] for p in placed[1:]] == ends[:-1]
         assert ends[-1] - len(header) <= gpu_kimi.SHARD_BYTES
+
+
+def test_a_failing_layer_variant_is_noted_not_raised():
+    """``noting_failure``: a variant whose call raises is noted under its label (its first error only, later calls
+    skipped), so the layer bench reports it and still measures the others."""
+    failures, calls = {}, []
+
+    def broken():
+        calls.append("broken")
+        raise RuntimeError("cluster of 16 not allowed")
+
+    gpu_kimi.noting_failure(failures, "auto:auto:mla_cluster16", broken)
+    gpu_kimi.noting_failure(failures, "auto:auto:mla_cluster16", broken)
+    gpu_kimi.noting_failure(failures, "auto:auto", lambda: calls.append("fine"))
+    assert failures == {"auto:auto:mla_cluster16": "RuntimeError: cluster of 16 not allowed"}
+    assert calls == ["broken", "fine"]
+
+
+def test_layer_plot_skips_failed_variants(tmp_path):
+    """plot_layer draws the measured points and leaves out a variant that failed (an ``error`` point)."""
+    pytest.importorskip("matplotlib")
+    measured = {"batch": 1, "variant": "auto:auto", "absorbed_kernel": "auto", "gemv_kernel": "auto", "step_ms": 0.168,
+                "roofline_ms": 0.116, "fraction_of_roofline": 0.69, "breakdown_ms": {"qkv_a": 0.009}}
+    report = {"points": [measured, {"batch": 1, "variant": "auto:auto:mla_cluster16", "error": "RuntimeError: x"}],
+              "variants": ["auto:auto", "auto:auto:mla_cluster16"], "context": 1024, "device": "test"}
+    gpu_kimi.plot_layer(report, tmp_path / "layer.png")
+    assert (tmp_path / "layer.png").stat().st_size > 0
