@@ -242,6 +242,24 @@ mla_write_absorb(const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __r
 #define EXPAND_MAX_TOKENS 64  // core's EXPAND_SMALL_MAX_TOKENS
 #define EXPAND_WARPS 4        // each a quarter of the KV_LORA dims
 
+// A warp's W_UV B fragments for 16 columns from column0 of head h over its quarter of the latent dims (k_warp: which
+// quarter), every step's in flight together (columns 8n + group, dims k0 (+1) and k0 + 8 (+9)): mla_expand_small's,
+// and mla_combine_expand's, which must multiply with the same fragments for the same bits.
+__device__ __forceinline__ void expand_weight_fragments(const bf16* __restrict__ w_uv, int h, int column0, int k_warp,
+                                                        int lane, unsigned (&b)[KV_LORA / EXPAND_WARPS / 16][2][2]) {
+    constexpr int STEPS = KV_LORA / EXPAND_WARPS / 16;
+    const int group = lane >> 2, pair = (lane & 3) * 2;
+    const bf16* weights = w_uv + ((long long)h * V_DIM + column0) * KV_LORA;
+#pragma unroll
+    for (int step = 0; step < STEPS; ++step)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            const bf16* row = weights + (long long)(8 * n + group) * KV_LORA + (k_warp * STEPS + step) * 16 + pair;
+            b[step][n][0] = *reinterpret_cast<const unsigned*>(row);
+            b[step][n][1] = *reinterpret_cast<const unsigned*>(row + 8);
+        }
+}
+
 // W_UV for small steps on tensor cores (out[t, h·V_DIM + v] = Σ_j o_latent[t, h, j] · W_UV[h][v][j]), T <= 64:
 // grid (num_heads, V_DIM / 16), EXPAND_WARPS warps. Block (h, c): columns 16c .. 16c + 15 of head h for every
 // row; warp w multiplies dims [w · KV_LORA / 4, (w + 1) · KV_LORA / 4) (mma m16n8k16, fragments loaded straight
@@ -254,17 +272,8 @@ mla_expand_small(const bf16* __restrict__ o_latent /* [T, H, KV_LORA] */, const 
     const int h = blockIdx.x, column0 = blockIdx.y * EXPAND_COLUMNS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group = lane >> 2, pair = (lane & 3) * 2;
     constexpr int STEPS = KV_LORA / EXPAND_WARPS / 16;
-    // every step's weight fragments (columns 8n + group, dims k0 (+1) and k0 + 8 (+9)) in flight together
-    const bf16* weights = w_uv + ((long long)h * V_DIM + column0) * KV_LORA;
     unsigned b[STEPS][2][2];
-#pragma unroll
-    for (int step = 0; step < STEPS; ++step)
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-            const bf16* row = weights + (long long)(8 * n + group) * KV_LORA + (warp * STEPS + step) * 16 + pair;
-            b[step][n][0] = *reinterpret_cast<const unsigned*>(row);
-            b[step][n][1] = *reinterpret_cast<const unsigned*>(row + 8);
-        }
+    expand_weight_fragments(w_uv, h, column0, warp, lane, b);
     float acc[EXPAND_MAX_TOKENS / 16][2][4];
 #pragma unroll
     for (int m = 0; m < EXPAND_MAX_TOKENS / 16; ++m)
@@ -543,22 +552,13 @@ extern "C" __global__ void mla_combine_splits_wide(const float* __restrict__ par
 #define COMBINE_FLAT_CHUNK 16
 #define COMBINE_FLAT_THREADS 256
 
-// The weighted sums of dims d .. d + 3 of one head row over its splits and their total weight, from the splits'
-// (max, sum) pairs `ml` and partial rows (`column`: dim d of split 0's row, KV_LORA apart); the merged dim is
-// sum / total (0 where total is 0). mla_combine_splits_flat's sums (mla_combine_expand makes the same weights once per
-// block and the same fused multiply-adds). The caller skips a row whose split 0 says max = +inf.
-__device__ __forceinline__ void mla_merge_splits4(const float2* __restrict__ ml, const float* __restrict__ column,
-                                                  int num_splits, float (&sum)[4], float& total) {
-    float m = -INFINITY;
-    for (int z = 0; z < num_splits; ++z) {
-        const float2 split = ml[z];
-        if (split.y > 0.f) m = fmaxf(m, split.x);
-    }
-    total = 0.f;  // in split order, as mla_combine_splits sums
-    for (int z = 0; z < num_splits; ++z) {
-        const float2 split = ml[z];
-        if (split.y > 0.f) total += __fmul_rn(__expf(split.x - m), split.y);
-    }
+// Σ_z weight_of(z) · (dims d .. d + 3 of split z's partial row) in split order, by fused multiply-adds, skipping the
+// splits whose weight_of(z) < 0 (empty, or z past the last); `column`: dim d of split 0's row, KV_LORA apart. The
+// rows of COMBINE_FLAT_CHUNK splits are loaded together before they are summed. mla_combine_splits_flat and
+// mla_combine_expand both sum here, so they write the same bits whatever they read the weights from.
+template <class WeightOf>
+__device__ __forceinline__ void mla_weighted_sums4(WeightOf weight_of, const float* __restrict__ column,
+                                                   int num_splits, float (&sum)[4]) {
     for (int e = 0; e < 4; ++e) sum[e] = 0.f;
     for (int z0 = 0; z0 < num_splits; z0 += COMBINE_FLAT_CHUNK) {
         float weight[COMBINE_FLAT_CHUNK];  // < 0: an empty split (or past the last)
@@ -566,8 +566,7 @@ __device__ __forceinline__ void mla_merge_splits4(const float2* __restrict__ ml,
 #pragma unroll
         for (int k = 0; k < COMBINE_FLAT_CHUNK; ++k) {
             const int z = z0 + k;
-            const float2 split = z < num_splits ? ml[z] : make_float2(0.f, 0.f);
-            weight[k] = split.y > 0.f ? __fmul_rn(__expf(split.x - m), split.y) : -1.f;
+            weight[k] = weight_of(z);
             o[k] = weight[k] >= 0.f ? *reinterpret_cast<const float4*>(column + (long long)z * KV_LORA)
                                     : make_float4(0.f, 0.f, 0.f, 0.f);
         }
@@ -580,6 +579,28 @@ __device__ __forceinline__ void mla_merge_splits4(const float2* __restrict__ ml,
             sum[3] = fmaf(weight[k], o[k].w, sum[3]);
         }
     }
+}
+
+// The weighted sums of dims d .. d + 3 of one head row over its splits and their total weight, from the splits'
+// (max, sum) pairs `ml` and partial rows (`column`: dim d of split 0's row, KV_LORA apart); the merged dim is
+// sum / total (0 where total is 0). mla_combine_splits_flat's, each thread making its weights (mla_combine_expand
+// makes the same ones once per block). The caller skips a row whose split 0 says max = +inf.
+__device__ __forceinline__ void mla_merge_splits4(const float2* __restrict__ ml, const float* __restrict__ column,
+                                                  int num_splits, float (&sum)[4], float& total) {
+    float m = -INFINITY;
+    for (int z = 0; z < num_splits; ++z) {
+        const float2 split = ml[z];
+        if (split.y > 0.f) m = fmaxf(m, split.x);
+    }
+    total = 0.f;  // in split order, as mla_combine_splits sums
+    for (int z = 0; z < num_splits; ++z) {
+        const float2 split = ml[z];
+        if (split.y > 0.f) total += __fmul_rn(__expf(split.x - m), split.y);
+    }
+    mla_weighted_sums4([&](int z) {
+        const float2 split = z < num_splits ? ml[z] : make_float2(0.f, 0.f);
+        return split.y > 0.f ? __fmul_rn(__expf(split.x - m), split.y) : -1.f;
+    }, column, num_splits, sum);
 }
 
 extern "C" __global__ void __launch_bounds__(COMBINE_FLAT_THREADS)
@@ -640,16 +661,8 @@ mla_combine_expand(const float* __restrict__ partial_o /* [T, H, S, KV_LORA] */,
     const int column0 = blockIdx.y * COMBINE_EXPAND_COLUMNS + column_group * EXPAND_COLUMNS;
     constexpr int STEPS = KV_LORA / EXPAND_WARPS / 16;
     // the warp's W_UV fragments first (mla_expand_small's): they do not wait for the merge, so in flight during it
-    const bf16* weights = w_uv + ((long long)h * V_DIM + column0) * KV_LORA;
     unsigned b[STEPS][2][2];
-#pragma unroll
-    for (int step = 0; step < STEPS; ++step)
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-            const bf16* row = weights + (long long)(8 * n + group) * KV_LORA + (k_warp * STEPS + step) * 16 + pair;
-            b[step][n][0] = *reinterpret_cast<const unsigned*>(row);
-            b[step][n][1] = *reinterpret_cast<const unsigned*>(row + 8);
-        }
+    expand_weight_fragments(w_uv, h, column0, k_warp, lane, b);
     // each row's split weights once for the block (a warp a row: the max over non-empty splits by a warp reduction,
     // exact in any order; the weights as mla_merge_splits4 rounds them; the total by a thread in split order), so the
     // merge below reads them from shared memory and loads only the non-empty splits' partial rows: its cost follows
@@ -684,29 +697,10 @@ mla_combine_expand(const float* __restrict__ partial_o /* [T, H, S, KV_LORA] */,
         uint2 pairs;
         if (total < 0.f) {  // written whole by its one split: the row is in o_latent
             pairs = *reinterpret_cast<const uint2*>(o_latent + head * KV_LORA + d);
-        } else {  // mla_merge_splits4's fused multiply-adds in split order, then as mla_combine_splits_flat rounds them
-            const float* column = partial_o + head * num_splits * KV_LORA + d;
-            float sum[4] = {0.f, 0.f, 0.f, 0.f};
-            for (int z0 = 0; z0 < num_splits; z0 += COMBINE_FLAT_CHUNK) {
-                float4 o[COMBINE_FLAT_CHUNK];
-#pragma unroll
-                for (int k = 0; k < COMBINE_FLAT_CHUNK; ++k) {
-                    const int z = z0 + k;
-                    o[k] = z < num_splits && split_weight[t][z] >= 0.f
-                               ? *reinterpret_cast<const float4*>(column + (long long)z * KV_LORA)
-                               : make_float4(0.f, 0.f, 0.f, 0.f);
-                }
-#pragma unroll
-                for (int k = 0; k < COMBINE_FLAT_CHUNK; ++k) {
-                    const int z = z0 + k;
-                    if (z >= num_splits || split_weight[t][z] < 0.f) continue;
-                    const float w = split_weight[t][z];
-                    sum[0] = fmaf(w, o[k].x, sum[0]);
-                    sum[1] = fmaf(w, o[k].y, sum[1]);
-                    sum[2] = fmaf(w, o[k].z, sum[2]);
-                    sum[3] = fmaf(w, o[k].w, sum[3]);
-                }
-            }
+        } else {  // mla_combine_splits_flat's sums from the block's weights, then as it rounds them
+            float sum[4];
+            mla_weighted_sums4([&](int z) { return z < num_splits ? split_weight[t][z] : -1.f; },
+                               partial_o + head * num_splits * KV_LORA + d, num_splits, sum);
             pairs.x = pack_bf16x2(total > 0.f ? sum[0] / total : 0.f, total > 0.f ? sum[1] / total : 0.f);
             pairs.y = pack_bf16x2(total > 0.f ? sum[2] / total : 0.f, total > 0.f ? sum[3] / total : 0.f);
         }
