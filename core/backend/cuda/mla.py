@@ -770,14 +770,15 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         head_chunks = mma_decode_head_chunks(heads, blocks_of_16)
     else:
         head_chunks = -(-heads // HEADS_PER_BLOCK)
-    splits_cap_none = 1 << 30  # no cap (most_splits None)
+    def capped(splits: int) -> int:  # the kernel's own split count within most_splits
+        return min(splits, most_splits) if most_splits else splits
+
     if name == "mma_shared":  # 93 KB of shared memory per block of 32 keys: 2 per SM; 168 KB of 64: 1
         keys = shared_keys(num_tokens)
-        splits = min(resident_splits(num_tokens, head_chunks, num_sms, 2 if keys == 32 else 1),
-                     most_splits or splits_cap_none)
+        splits = capped(resident_splits(num_tokens, head_chunks, num_sms, 2 if keys == 32 else 1))
     elif name == "tma":
         blocks_per_sm = mla_decode_sm90.tma_blocks_per_sm_of(spec, latent_write is not None)
-        splits = min(resident_splits(num_tokens, head_chunks, num_sms, blocks_per_sm), most_splits or splits_cap_none)
+        splits = capped(resident_splits(num_tokens, head_chunks, num_sms, blocks_per_sm))
         cluster = mla_decode_sm90.tma_cluster(spec, splits, num_tokens)
         balance_slots = 0
         if cluster > 1:
@@ -789,7 +790,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, latent_write is not None,
                                                                     staged_q)
     else:
-        splits = min(num_splits(num_tokens, head_chunks, num_sms), most_splits or splits_cap_none)
+        splits = capped(num_splits(num_tokens, head_chunks, num_sms))
     combined_on_chip = cluster > 1
     partial_o = partial_ml = NULL
     if splits > 1 and not combined_on_chip:

@@ -892,8 +892,9 @@ class DeviceMoE:
 # on the critical path between o_proj and the router (s15 D7, Kimi-K2 layer b1: 0.9 us plus a launch gap). s16 D3
 # (H200, Kimi-K2 layer b1 graph, alternated A B B A A B B A; results/kimi_layer_b1_s16d3_h200.json): 166.9 / 167.4 /
 # 167.0 / 167.4 us vs 168.9 / 168.3 / 168.1 / 168.7 with "call" (s13 D3b: Moonlight's step 1.009x). The state this
-# keeps across calls is one zero word a layer, which every call leaves zero. (Zeroing it instead on a side stream forked before the attention, s16 D2: layer b1 190.8 / 191.8 /
-# 192.1 / 190.8 us vs 169.0 / 168.7 / 168.8 / 169.4 without (results/kimi_layer_b1_s16d2_h200.json); deleted.)
+# keeps across calls is one zero word a layer, which every call leaves zero. (Zeroing the per-call counter instead on a
+# side stream forked before the attention, s16 D2: layer b1 190.8 / 191.8 / 192.1 / 190.8 us vs 169.0 / 168.7 / 168.8 /
+# 169.4 without (results/kimi_layer_b1_s16d2_h200.json); deleted.)
 ROUTE_TICKET_ENV = "OPENINFER_MOE_ROUTE_TICKET"
 ROUTE_TICKETS = ("call", "layer")
 DEFAULT_ROUTE_TICKET = "layer"
@@ -1112,7 +1113,6 @@ SHARED_OVERLAP_ENV = "OPENINFER_MOE_SHARED_OVERLAP"
 # 129.5 / 298.4 -> 289.5 us at 1 / 4 / 16 tokens (1.14 / 1.08 / 1.03x); Kimi-K2 batch 64 1.00x, 256 0.99x.
 SHARED_OVERLAP_MAX_TOKENS = 16
 _side_streams: dict[int, tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]] = {}
-_late_events: dict[int, cupy.cuda.Event] = {}  # finish_shared_experts' fork point, per device
 
 
 def shared_overlap(tokens: int) -> bool:
@@ -1185,6 +1185,20 @@ def shared_down_late(tokens: int, shared_experts) -> bool:
         shared_experts, SharedExpertPhases) and 0 < tokens and shared_overlap(tokens))
 
 
+def _run_beside(run, forked: bool = False):
+    """``run()`` on this device's side stream from this point of the current stream (``forked``: from the fork
+    point ``fork_shared_experts`` recorded earlier), its one-row GEMVs narrowed (``gemv_beside_other_work``); its
+    result and the event the combine must wait for."""
+    side, fork, joined = _side_stream()
+    if not forked:
+        fork.record(cupy.cuda.get_current_stream())
+    side.wait_event(fork)
+    with side, gemv_beside_other_work():
+        result = run()
+        joined.record(side)
+    return result, joined
+
+
 def start_shared_experts(x: cupy.ndarray, shared_experts, forked: bool = False, up_only: bool = False
                          ) -> tuple[cupy.ndarray, cupy.cuda.Event | None]:
     """``shared_experts(x)`` (a callable) and the event the combine must wait for: run on the side
@@ -1194,30 +1208,16 @@ def start_shared_experts(x: cupy.ndarray, shared_experts, forked: bool = False, 
     stream (no event: ``finish_shared_experts`` runs the rest and returns it)."""
     if not x.shape[0] or not shared_overlap(int(x.shape[0])):
         return shared_experts(x), None
-    side, fork, joined = _side_stream()
-    if not forked:
-        fork.record(cupy.cuda.get_current_stream())
-    side.wait_event(fork)
-    with side, gemv_beside_other_work():
-        if up_only:
-            return shared_experts.up(x), None
-        shared = shared_experts(x)
-        joined.record(side)
-    return shared, joined
+    if up_only:
+        return _run_beside(lambda: shared_experts.up(x), forked)[0], None
+    return _run_beside(lambda: shared_experts(x), forked)
 
 
 def finish_shared_experts(hidden: cupy.ndarray, shared_experts: SharedExpertPhases) -> tuple[cupy.ndarray,
                                                                                           cupy.cuda.Event]:
     """The ``down`` phase of shared experts started with ``up_only``, on the side stream from this point of the
     current stream (after the routed gate_up's launch), and the event the combine must wait for."""
-    side, _, joined = _side_stream()
-    late = _late_events.setdefault(cupy.cuda.Device().id, cupy.cuda.Event(disable_timing=True))
-    late.record(cupy.cuda.get_current_stream())
-    side.wait_event(late)
-    with side, gemv_beside_other_work():
-        shared = shared_experts.down(hidden)
-        joined.record(side)
-    return shared, joined
+    return _run_beside(lambda: shared_experts.down(hidden))
 
 
 # OPENINFER_MOE_ROUTE_BEFORE_SHARED=1 (opt-in until measured): where the shared experts run on the side stream
